@@ -1,0 +1,1 @@
+"""Draft-head modules (Medusa, EAGLE), their config and checkpoint format."""

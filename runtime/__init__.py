@@ -1,0 +1,1 @@
+"""Runtime: target wrapper, draft trees, exact verification, drafters, the decode loop, CLI."""

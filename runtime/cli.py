@@ -1,0 +1,117 @@
+"""The `headstart` command: `generate` and `demo`. A user mistake gets one line on stderr and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from runtime.models import DEFAULT_MODEL, DTYPES
+from runtime.prompts import Prompt, load_prompts
+from runtime.sampling import SamplingParams
+
+
+class UserError(Exception):
+    """Bad input: reported as one line, never a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: one line too
+        raise UserError(message)
+
+
+def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
+    p.add_argument("--dtype", default=dtype, choices=list(DTYPES))
+    p.add_argument("--device", default="cpu")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="headstart", description="Exact self-speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text for one prompt or a prompt file")
+    _add_model_args(g, "float32")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompts-file", help="JSONL rows with 'turns' (the first turn is used) or 'prompt'")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--drafter", default="none", choices=["none", "lookup"])
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+    d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
+    _add_model_args(d, "float32")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "demo":
+            from runtime.demo import run_demo
+
+            return run_demo(args.model, args.dtype, args.device, args.max_new_tokens)
+    except (UserError, ValueError) as e:
+        print(f"headstart: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("headstart: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _check_lengths(args)
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise UserError(str(e).replace("top_", "--top-").replace("temperature", "--temperature")) from e
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UserError("empty --prompt")
+        prompts = [Prompt("0", "", args.prompt)]
+    else:
+        prompts = load_prompts(args.prompts_file)
+
+    from runtime.engine import Engine
+    from runtime.generate import GenerationStats
+
+    engine = Engine.load(args.model, args.dtype, args.drafter, args.device)
+    for prompt in prompts:
+        prompt_ids = engine.encode(prompt.text, chat=not args.raw)
+        options = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)
+        if args.json:
+            result = engine.generate(prompt_ids, **options)
+            row = {"id": prompt.id, "token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}
+            print(json.dumps(row), flush=True)
+            continue
+        stats = GenerationStats()
+        for delta in engine.stream_text(prompt_ids, stats=stats, **options):
+            print(delta, end="", flush=True)
+        print(flush=True)
+        s = stats.as_dict()
+        print(
+            f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, acceptance length "
+            f"{s['acceptance_length']:.2f}, {s['target_passes']} target passes]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

