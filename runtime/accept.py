@@ -38,9 +38,7 @@ class Acceptance:
     next_token: int  # the correction (after a rejection) or bonus (at a leaf) token, not in the tree
 
 
-def accept_path(
-    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, rng: RandomSource
-) -> Acceptance:
+def accept_path(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, rng: RandomSource) -> Acceptance:
     """Choose the accepted path of `tree` given the target's logits (n+1, V) at the root and every node."""
     children = tree.children()
     if params.greedy:

@@ -1,8 +1,8 @@
 """Engine: the Python API over the decode loop — text in, tokens and text out, stop strings handled.
 
-    engine = Engine.load("smollm2-135m-instruct", dtype="bfloat16", drafter="lookup")
-    result = engine.generate("Summarize: ...", max_new_tokens=128)
-    result.text, result.stats.acceptance_length
+engine = Engine.load("smollm2-135m-instruct", dtype="bfloat16", drafter="lookup")
+result = engine.generate("Summarize: ...", max_new_tokens=128)
+result.text, result.stats.acceptance_length
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class Engine:
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; pass the prompt raw (--raw)")
         messages = [{"role": "user", "content": prompt}]
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        return list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        )
 
     def stream(
         self,
@@ -66,9 +68,7 @@ class Engine:
     ) -> Iterator[Chunk]:
         """The decode loop's chunks, ending early once the generated text contains a stop string."""
         generated: list[int] = []
-        for chunk in stream(
-            self.target, prompt_ids, self.drafter, sampling, max_new_tokens, self.eos_ids, seed, stats
-        ):
+        for chunk in stream(self.target, prompt_ids, self.drafter, sampling, max_new_tokens, self.eos_ids, seed, stats):
             if stop and _find_stop(self.tokenizer.decode(generated + chunk.tokens), stop) is not None:
                 for k in range(1, len(chunk.tokens) + 1):  # the first token that completes a stop string
                     if _find_stop(self.tokenizer.decode(generated + chunk.tokens[:k]), stop) is not None:
