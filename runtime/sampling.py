@@ -31,8 +31,11 @@ class SamplingParams:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities p: temperature, then top-k, then top-p (as HF orders them)."""
-    logits = logits.float() / params.temperature
+    """(..., V) logits -> (..., V) probabilities p: temperature, then top-k, then top-p (as HF orders them).
+
+    Computed in float32 at least (float64 stays float64, for the exact tests).
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,0 +1,77 @@
+"""Tree attention masks and position ids against masks drawn out by hand."""
+
+import pytest
+import torch
+
+from runtime.tree import DraftTree, tree_attention_inputs
+
+
+def allowed(mask: torch.Tensor) -> torch.Tensor:
+    """The float 4D mask as a 0/1 int matrix (1 = may attend)."""
+    return (mask[0, 0] == 0).int()
+
+
+def test_chain_tree_mask_is_causal():
+    # root r, then a chain a -> b -> c; 2 committed tokens P0 P1.
+    tree = DraftTree(tokens=[10, 11, 12], parents=[-1, 0, 1])
+    mask, pos = tree_attention_inputs(tree, past_len=2, dtype=torch.float32)
+    drawn = torch.tensor(
+        [
+            # P0 P1  r  a  b  c
+            [1, 1, 1, 0, 0, 0],  # r
+            [1, 1, 1, 1, 0, 0],  # a
+            [1, 1, 1, 1, 1, 0],  # b
+            [1, 1, 1, 1, 1, 1],  # c
+        ]
+    )
+    assert mask.shape == (1, 1, 4, 6)
+    assert torch.equal(allowed(mask), drawn)
+    assert pos.tolist() == [[2, 3, 4, 5]]
+
+
+def test_branching_tree_mask():
+    # root r has children a, b; a has children c, d; b has child e; c has child f.
+    #
+    #          r
+    #        /   \
+    #       a     b
+    #      / \     \
+    #     c   d     e
+    #     |
+    #     f
+    tree = DraftTree(tokens=[5, 6, 7, 8, 9, 4], parents=[-1, -1, 0, 0, 1, 2])
+    mask, pos = tree_attention_inputs(tree, past_len=3, dtype=torch.float32)
+    drawn = torch.tensor(
+        [
+            # P0 P1 P2 r  a  b  c  d  e  f
+            [1, 1, 1, 1, 0, 0, 0, 0, 0, 0],  # r
+            [1, 1, 1, 1, 1, 0, 0, 0, 0, 0],  # a
+            [1, 1, 1, 1, 0, 1, 0, 0, 0, 0],  # b
+            [1, 1, 1, 1, 1, 0, 1, 0, 0, 0],  # c
+            [1, 1, 1, 1, 1, 0, 0, 1, 0, 0],  # d
+            [1, 1, 1, 1, 0, 1, 0, 0, 1, 0],  # e
+            [1, 1, 1, 1, 1, 0, 1, 0, 0, 1],  # f
+        ]
+    )
+    assert torch.equal(allowed(mask), drawn)
+    #                    r  a  b  c  d  e  f
+    assert pos.tolist() == [[3, 4, 4, 5, 5, 5, 6]]
+    # masked entries are the dtype's most negative value, never a bool
+    assert mask.dtype == torch.float32 and mask.min() == torch.finfo(torch.float32).min
+    assert tree.children() == [[0, 1], [2, 3], [4], [5], [], [], []]
+    assert tree.path_to(5) == [0, 2, 5]
+
+
+def test_bf16_mask_and_empty_tree():
+    mask, pos = tree_attention_inputs(DraftTree(), past_len=4, dtype=torch.bfloat16)
+    assert mask.dtype == torch.bfloat16 and mask.shape == (1, 1, 1, 5) and (mask == 0).all()
+    assert pos.tolist() == [[4]]
+
+
+@pytest.mark.parametrize(
+    "tokens,parents",
+    [([1, 2], [-1, 1]), ([1, 2], [0, -1]), ([1], [-2]), ([1, 2], [-1])],
+)
+def test_malformed_trees_are_refused(tokens, parents):
+    with pytest.raises(ValueError):
+        DraftTree(tokens, parents)
