@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -33,18 +33,18 @@ PARENTS = [-1, -1, 0, 0]
 LENGTH = 3  # max depth + 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def world_logits(prefix: tuple[int, ...], salt: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(hash((salt, *prefix)) % (1 << 62))
     return 2.0 * torch.randn(V, generator=g, dtype=torch.float64)
 
 
-@lru_cache(maxsize=None)
+@cache
 def p_target(prefix, params):
     return target_probs(world_logits(prefix, 0), params)
 
 
-@lru_cache(maxsize=None)
+@cache
 def q_draft(prefix):
     return torch.softmax(0.6 * world_logits(prefix, 1) + world_logits(prefix, 0), -1)  # related to p, not equal
 

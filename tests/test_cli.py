@@ -1,0 +1,91 @@
+"""`headstart generate` through its command line: bad input gets one clear line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from runtime.cli import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "/no/such/model", "--prompt", "hi"], "unknown model '/no/such/model'"),
+        (["--model", "/no/such/file.gguf", "--prompt", "hi"], "GGUF file not found"),
+        (["--prompt", "   "], "empty --prompt"),
+        (["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
+        (["--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--prompt", "hi", "--top-k", "-2"], "--top-k must be >= 0"),
+        (["--prompts-file", "/no/such.jsonl"], "prompts file not found"),
+        (["--prompt", "hi", "--dtype", "int3"], "invalid choice: 'int3'"),
+        (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int value: 'ten'"),
+        ([], "one of the arguments --prompt --prompts-file is required"),
+    ],
+)
+def test_bad_input_one_line_error(capsys, argv, message):
+    code, out, err = run_cli(capsys, "generate", *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("headstart: error: ")
+    assert message in err
+
+
+def test_model_dir_without_config(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert code == 2 and "holds no config.json" in err
+
+
+def test_bad_prompts_file(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{not json}\n')
+    code, _, err = run_cli(capsys, "generate", "--prompts-file", str(bad))
+    assert code == 2 and "bad.jsonl:2" in err
+
+
+def test_context_overflow_is_a_user_error(capsys, tiny_model_dir):
+    code, _, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "the cat", "--max-new-tokens", "5000"
+    )
+    assert code == 2 and "exceeds the model's context" in err
+
+
+def test_json_output_from_the_console_script(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"id": "a", "turns": ["the cat sat on the mat", "second turn ignored"]})
+        + "\n"
+        + json.dumps({"id": "b", "turns": ["one two three one two three"]})
+        + "\n"
+    )
+    exe = shutil.which("headstart")
+    cmd = [exe] if exe else [sys.executable, "-m", "runtime.cli"]
+    args = ["generate", "--model", str(tiny_model_dir), "--prompts-file", str(prompts), "--drafter", "lookup"]
+    proc = subprocess.run(
+        [*cmd, *args, "--json", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b"]
+    for row in rows:
+        assert set(row) == {"id", "token_ids", "text", "stats"}
+        stats = row["stats"]
+        assert {"acceptance_length", "target_passes", "new_tokens", "tokens_per_s", "accepted_per_depth"} <= set(stats)
+        assert stats["new_tokens"] == len(row["token_ids"]) > 0
+    plain = subprocess.run(
+        [*cmd, *args[:-2], "--raw", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert "tok/s" in plain.stderr and plain.stdout.strip()
