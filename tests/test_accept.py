@@ -102,7 +102,7 @@ def enumerate_outcomes(run) -> dict:
         try:
             outcome = run(ScriptedRandom(script))
         except NeedChoice as choice:
-            stack.extend((script + [value], prob * pr) for value, pr in choice.options if pr > 0)
+            stack.extend(([*script, value], prob * pr) for value, pr in choice.options if pr > 0)
             continue
         outcomes[outcome] += prob
     return outcomes
@@ -130,7 +130,7 @@ def target_joint(params) -> torch.Tensor:
 
 def round_outcome(tree, params, rng):
     acc = accept_path(tree, target_rows(tree.tokens), params, rng)
-    return tuple(tree.tokens[i] for i in acc.path) + (acc.next_token,)
+    return (*tuple(tree.tokens[i] for i in acc.path), acc.next_token)
 
 
 # ---- trees the drafters can produce, with their probability ------------------------------------
