@@ -46,9 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
+    b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
+    _add_model_args(b, "bfloat16")
+    b.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
+    b.add_argument("--methods", default="plain,hf,lookup", help="comma list of plain,hf,hf-lookup,lookup")
+    b.add_argument("--temperature", default="0", help="comma list of temperatures")
+    b.add_argument("--categories", default=None, help="comma list of categories (default: all)")
+    b.add_argument("--limit-per-category", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
+
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
-    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--max-new-tokens", type=int, default=128)
     return parser
 
 
@@ -57,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "demo":
             from runtime.demo import run_demo
 
@@ -110,6 +123,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{s['acceptance_length']:.2f}, {s['target_passes']} target passes]",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    from runtime import bench
+    from runtime.engine import Engine
+
+    _check_lengths(args)
+    try:
+        temperatures = [float(t) for t in args.temperature.split(",")]
+    except ValueError as e:
+        raise UserError(f"--temperature takes a comma list of numbers: {e}") from e
+    for t in temperatures:
+        SamplingParams(t)
+    if args.limit_per_category is not None and args.limit_per_category < 1:
+        raise UserError("--limit-per-category must be >= 1")
+    prompts = args.prompts or bench.DEFAULT_PROMPTS
+    if not Path(prompts).is_file():
+        raise UserError(f"prompts file not found: {prompts} (pass --prompts FILE)")
+    categories = set(args.categories.split(",")) if args.categories else None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    engine = Engine.load(args.model, args.dtype, "none", args.device)
+    records = bench.run_bench(
+        engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed
+    )
+    table = bench.summarize(records)
+    machine = (
+        f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{args.dtype}, {args.device}, model {args.model}"
+    )
+    meta = {"command": "headstart " + " ".join(argv), "machine": machine}
+    json_path, md_path = bench.save(records, table, Path(args.out), meta)
+    print(bench.markdown(table))
+    print(f"records: {json_path}\ntable: {md_path}", file=sys.stderr)
     return 0
 
 

@@ -16,6 +16,8 @@ from runtime.target import Target
 from tests.conftest import tiny_llama
 from tests.stats import chi_square_pvalue
 
+BUSY_LOOKUP = LookupDrafter(min_ngram=1, max_branches=3)  # drafts at almost every round: exercises the verifier
+
 PROMPTS = [
     [5, 9, 3, 17, 22, 8, 41, 3, 17, 22, 8],
     [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5],
@@ -32,7 +34,7 @@ def model():
     return tiny_llama(vocab_size=64, init_std=0.2)
 
 
-@pytest.mark.parametrize("drafter", [Drafter(), LookupDrafter()], ids=["none", "lookup"])
+@pytest.mark.parametrize("drafter", [Drafter(), LookupDrafter(), BUSY_LOOKUP], ids=["none", "lookup", "busy-lookup"])
 def test_greedy_identity_with_hf_generate(model, drafter):
     target = Target(model)
     accepted = 0
@@ -94,7 +96,7 @@ def test_sampling_first_three_tokens_match_plain_sampling():
     for seed in range(3000):
         stats = GenerationStats()
         a, b, c = generate_ids(
-            target, prompt, LookupDrafter(), sampling=params, max_new_tokens=3, seed=seed, stats=stats
+            target, prompt, BUSY_LOOKUP, sampling=params, max_new_tokens=3, seed=seed, stats=stats
         )
         counts[a, b, c] += 1
         drafted += sum(stats.accepted_per_depth)

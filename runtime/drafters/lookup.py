@@ -18,10 +18,10 @@ from runtime.tree import DraftTree
 @dataclass
 class LookupDrafter(Drafter):
     max_ngram: int = 3  # longest suffix n-gram searched
-    min_ngram: int = 1  # shortest tried when longer ones find nothing
+    min_ngram: int = 2  # shortest tried when longer ones find nothing (1-grams match noise)
     branch_len: int = 8  # tokens copied after a match
-    max_branches: int = 4  # distinct continuations kept, most recent match first
-    budget: int = 24  # most nodes in the tree
+    max_branches: int = 2  # distinct continuations kept, most recent match first
+    budget: int = 16  # most nodes in the tree (README: why these defaults)
 
     name = "lookup"
 

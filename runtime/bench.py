@@ -1,0 +1,186 @@
+"""`headstart bench`: speed of every decoding method on a prompt file, measured in one process.
+
+Methods run interleaved prompt by prompt after a warm-up, so machine noise hits all alike:
+  plain      our decode loop with no drafter (the baseline of every speedup)
+  hf         `model.generate` (greedy or sampling)
+  hf-lookup  `model.generate(prompt_lookup_num_tokens=10)`
+  lookup     our loop with the prompt-lookup drafter
+Output: every per-prompt record as JSON, and a Markdown table per category and overall.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runtime.drafters import make_drafter
+from runtime.engine import Engine
+from runtime.generate import GenerationStats
+from runtime.prompts import load_prompts
+from runtime.sampling import SamplingParams
+
+METHODS = ("plain", "hf", "hf-lookup", "lookup")
+DEFAULT_PROMPTS = "../shared/data/eval/spec_bench.jsonl"
+
+
+@dataclass
+class Record:
+    method: str
+    prompt_id: str
+    category: str
+    temperature: float
+    new_tokens: int
+    seconds: float
+    target_passes: int | None  # None where the method does not report it (hf)
+    draft_ms: float | None
+    verify_ms: float | None
+    same_as_plain: bool | None  # token ids equal to `plain`'s (greedy only)
+    token_ids: list[int]
+
+
+def _run_ours(engine: Engine, drafter: str, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
+    engine.drafter = make_drafter(drafter)
+    stats = GenerationStats()
+    t0 = time.perf_counter()
+    tokens = [t for chunk in engine.stream(ids, sampling, max_new, seed, stats=stats) for t in chunk.tokens]
+    seconds = time.perf_counter() - t0
+    rounds = max(stats.target_passes, 1)
+    return tokens, seconds, stats.target_passes, 1e3 * stats.draft_s / rounds, 1e3 * stats.verify_s / rounds
+
+
+def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
+    model = engine.target.model
+    kwargs: dict = {"max_new_tokens": max_new, "pad_token_id": engine.tokenizer.eos_token_id}
+    if sampling.greedy:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        torch.manual_seed(seed)
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = 10
+    inputs = torch.tensor([ids], device=engine.target.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+    seconds = time.perf_counter() - t0
+    return out[0, len(ids) :].tolist(), seconds, None, None, None
+
+
+def run_method(engine: Engine, method: str, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
+    """(token_ids, seconds, target_passes, draft_ms, verify_ms) of one generation."""
+    if method == "plain":
+        return _run_ours(engine, "none", ids, sampling, max_new, seed)
+    if method in ("hf", "hf-lookup"):
+        return _run_hf(engine, method == "hf-lookup", ids, sampling, max_new, seed)
+    return _run_ours(engine, method, ids, sampling, max_new, seed)
+
+
+def run_bench(
+    engine: Engine,
+    prompts_file: str,
+    methods: list[str],
+    temperatures: list[float],
+    max_new_tokens: int = 128,
+    limit_per_category: int | None = None,
+    categories: set[str] | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> list[Record]:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    prompts = load_prompts(prompts_file, categories, limit_per_category)
+    encoded = [engine.encode(p.text) for p in prompts]
+    for method in methods:  # warm-up: first calls pay for allocations and kernel selection
+        run_method(engine, method, encoded[0], SamplingParams(), 16, seed)
+    records: list[Record] = []
+    jobs = [(t, i) for t in temperatures for i in range(len(prompts))]
+    for temperature, i in tqdm(jobs, desc="bench", unit="prompt", dynamic_ncols=True):
+        sampling = SamplingParams(temperature)
+        plain_tokens = None
+        for method in methods:
+            tokens, seconds, passes, draft_ms, verify_ms = run_method(
+                engine, method, encoded[i], sampling, max_new_tokens, seed
+            )
+            if method == "plain":
+                plain_tokens = tokens
+            same = tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None
+            records.append(
+                Record(method, prompts[i].id, prompts[i].category, temperature, len(tokens), seconds, passes,
+                       draft_ms, verify_ms, same, tokens)  # fmt: skip
+            )
+    return records
+
+
+def summarize(records: list[Record]) -> dict:
+    """{(temperature, category or 'overall'): {method: figures}}; tokens/s is total tokens over total time."""
+    groups: dict[tuple, list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.temperature, r.category, r.method)].append(r)
+        groups[(r.temperature, "overall", r.method)].append(r)
+    table: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for (temperature, category, method), rs in groups.items():
+        tokens = sum(r.new_tokens for r in rs)
+        seconds = sum(r.seconds for r in rs)
+        passes = [r.target_passes for r in rs if r.target_passes is not None]
+        same = [r.same_as_plain for r in rs if r.same_as_plain is not None]
+        table[(temperature, category)][method] = {
+            "prompts": len(rs),
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "acceptance_length": tokens / sum(passes) if passes and sum(passes) else None,
+            "draft_ms": _mean([r.draft_ms for r in rs]),
+            "verify_ms": _mean([r.verify_ms for r in rs]),
+            "same_as_plain": f"{sum(same)}/{len(same)}" if same else None,
+        }
+    for row in table.values():
+        for figures in row.values():
+            for base in ("plain", "hf"):
+                ref = row.get(base, {}).get("tokens_per_s")
+                figures[f"speedup_vs_{base}"] = figures["tokens_per_s"] / ref if ref else None
+    return table
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def markdown(table: dict) -> str:
+    def fmt(v, spec):
+        return "–" if v is None else format(v, spec) if not isinstance(v, str) else v
+
+    lines = []
+    for temperature in sorted({t for t, _ in table}):
+        lines += [
+            f"\n**T = {temperature}**\n",
+            "| category | method | tok/s | speedup vs plain | speedup vs hf | acceptance length "
+            "| draft ms/round | verify ms/round | same tokens as plain |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        cats = sorted(c for t, c in table if t == temperature and c != "overall") + ["overall"]
+        for cat in cats:
+            for method, f in table[(temperature, cat)].items():
+                lines.append(
+                    f"| {cat} | {method} | {f['tokens_per_s']:.1f} | {fmt(f['speedup_vs_plain'], '.2f')} "
+                    f"| {fmt(f['speedup_vs_hf'], '.2f')} | {fmt(f['acceptance_length'], '.2f')} "
+                    f"| {fmt(f['draft_ms'], '.2f')} | {fmt(f['verify_ms'], '.1f')} | {fmt(f['same_as_plain'], '')} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def save(records: list[Record], table: dict, out_dir: Path, meta: dict) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_path = out_dir / f"bench-{stamp}.json"
+    md_path = out_dir / f"bench-{stamp}.md"
+    summary = {f"T={t}/{c}": row for (t, c), row in table.items()}
+    json_path.write_text(json.dumps({"meta": meta, "summary": summary, "records": [asdict(r) for r in records]}))
+    md_path.write_text(f"`{meta['command']}`\n\n{meta['machine']}\n" + markdown(table))
+    return json_path, md_path
