@@ -112,10 +112,9 @@ def run_bench(
             if method == "plain":
                 plain_tokens = tokens
             same = tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None
-            records.append(
-                Record(method, prompts[i].id, prompts[i].category, temperature, len(tokens), seconds, passes,
-                       draft_ms, verify_ms, same, tokens)  # fmt: skip
-            )
+            prompt = prompts[i]
+            row = (len(tokens), seconds, passes, draft_ms, verify_ms, same, tokens)
+            records.append(Record(method, prompt.id, prompt.category, temperature, *row))
     return records
 
 
@@ -164,7 +163,7 @@ def markdown(table: dict) -> str:
             "| draft ms/round | verify ms/round | same tokens as plain |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-        cats = sorted(c for t, c in table if t == temperature and c != "overall") + ["overall"]
+        cats = [*sorted(c for t, c in table if t == temperature and c != "overall"), "overall"]
         for cat in cats:
             for method, f in table[(temperature, cat)].items():
                 lines.append(

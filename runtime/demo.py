@@ -20,7 +20,8 @@ PROMPTS = [
     "longest corect prefix, and so the ouput stays exactly the same while fewer passes are needed.'",
     "Add type hints and a docstring to this Python function and show the whole function:\n\n"
     "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError('window must be positive')\n"
-    "    out = []\n    for i in range(len(values) - window + 1):\n        out.append(sum(values[i:i + window]) / window)\n"
+    "    out = []\n    for i in range(len(values) - window + 1):\n"
+    "        out.append(sum(values[i:i + window]) / window)\n"
     "    return out\n",
     "Summarize the following text in two sentences: 'The city council met on Monday to discuss the new park. "
     "The new park will have a playground, a pond and a small cafe. The council said the new park will open next "

@@ -95,9 +95,7 @@ def test_sampling_first_three_tokens_match_plain_sampling():
     drafted = 0
     for seed in range(3000):
         stats = GenerationStats()
-        a, b, c = generate_ids(
-            target, prompt, BUSY_LOOKUP, sampling=params, max_new_tokens=3, seed=seed, stats=stats
-        )
+        a, b, c = generate_ids(target, prompt, BUSY_LOOKUP, sampling=params, max_new_tokens=3, seed=seed, stats=stats)
         counts[a, b, c] += 1
         drafted += sum(stats.accepted_per_depth)
     assert drafted > 300  # drafts were accepted (and, with 3 tokens from fewer passes, rejected too)
