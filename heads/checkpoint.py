@@ -1,0 +1,98 @@
+"""Head checkpoints: a directory with `config.json` and `model.safetensors`, bound to one target.
+
+config.json holds the head kind and sizes, the training config and metrics (free-form dicts), and
+the target's fingerprint: architecture, vocab size, hidden size, layer count, and hashes of the
+tokenizer vocabulary and of the lm_head (taken at bfloat16 precision, so a float32 and a bfloat16
+load of one model agree). Loading onto another target fails with a message naming both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from heads.eagle import EagleHead
+from heads.medusa import MedusaHeads
+
+KINDS = ("medusa", "eagle")
+
+
+class HeadsMismatchError(ValueError):
+    """Heads loaded onto a target they were not trained for."""
+
+
+def target_fingerprint(model: nn.Module, tokenizer=None, name: str | None = None) -> dict:
+    config = model.config
+    lm_head = model.get_output_embeddings().weight.detach()
+    fp = {
+        "name": name or getattr(config, "name_or_path", "") or "unnamed",
+        "architecture": type(model).__name__,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_hidden_layers,
+        "lm_head_sha": hashlib.sha256(lm_head.to(torch.bfloat16).float().cpu().numpy().tobytes()).hexdigest()[:16],
+    }
+    if tokenizer is not None:
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+        fp["tokenizer_sha"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    return fp
+
+
+def _describe(fp: dict) -> str:
+    return (
+        f"{fp['name']} ({fp['architecture']}, vocab {fp['vocab_size']}, hidden {fp['hidden_size']}, "
+        f"{fp['num_layers']} layers, lm_head {fp['lm_head_sha']})"
+    )
+
+
+def check_fingerprint(trained_for: dict, target: dict, where: str) -> None:
+    keys = [k for k in trained_for if k != "name" and k in target]
+    if any(trained_for[k] != target[k] for k in keys):
+        raise HeadsMismatchError(
+            f"heads in {where} were trained for {_describe(trained_for)}, not for the target {_describe(target)}"
+        )
+
+
+def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
+    """A fresh head module of `kind` for the target `model`."""
+    if kind == "medusa":
+        heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, **options)
+        heads.init_lm_heads(model.get_output_embeddings())
+        return heads
+    if kind == "eagle":
+        return EagleHead.for_target(model)
+    raise ValueError(f"unknown head kind '{kind}': choose one of {', '.join(KINDS)}")
+
+
+def save_heads(
+    directory: str | Path, heads: nn.Module, kind: str, options: dict, fingerprint: dict, extra: dict | None = None
+) -> Path:
+    """Write config.json + model.safetensors (bfloat16 unless `extra['dtype']` says otherwise)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    extra = dict(extra or {})
+    dtype = getattr(torch, extra.setdefault("dtype", "bfloat16"))
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
+    save_file(state, directory / "model.safetensors")
+    config = {"kind": kind, "options": options, "target": fingerprint, **extra}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def load_heads(directory: str | Path, model: nn.Module, tokenizer=None) -> tuple[nn.Module, dict]:
+    """Load heads from `directory` onto the target `model`; returns (module, config)."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file() or not (directory / "model.safetensors").is_file():
+        raise ValueError(f"{directory} is not a heads checkpoint (needs config.json and model.safetensors)")
+    config = json.loads(config_path.read_text())
+    check_fingerprint(config["target"], target_fingerprint(model, tokenizer), str(directory))
+    heads = build_heads(config["kind"], model, **config.get("options", {}))
+    state = load_file(directory / "model.safetensors")
+    heads.load_state_dict({k: v.to(model.dtype) for k, v in state.items()})
+    return heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False), config

@@ -1,0 +1,57 @@
+"""EAGLE head: one decoder layer of the target's own architecture that predicts the next feature.
+
+Input at position t: [embed(token t+1); feature(t)] -> fc (2H -> H) -> one decoder layer built from
+the target's decoder-layer class and config -> predicted feature(t+1), read out by the target's
+frozen lm_head.
+
+Which feature: the target's final hidden state AFTER its final norm (the last entry of
+`output_hidden_states`, what `Target.verify` returns). It is what the lm_head reads, so the
+predicted feature needs no further norm, it exists under that name in every Hugging Face causal
+LM, and its scale is stable (std ~2 on SmolLM2, against ~70 before the norm), which keeps the
+SmoothL1 regression well conditioned.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_cls: type[nn.Module], rotary_cls: type[nn.Module]) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layer = layer_cls(config, layer_idx=0)
+        # --- change to the target's decoder layer (as EAGLE does) ----------------------------------
+        # The fc output feeds attention directly: the first input norm is dropped.
+        self.layer.input_layernorm = nn.Identity()
+        # --------------------------------------------------------------------------------------------
+        self.rotary = rotary_cls(config)
+
+    @classmethod
+    def for_target(cls, model: nn.Module) -> EagleHead:
+        """Build from a Hugging Face causal LM: its config, decoder-layer class and rotary embedding class."""
+        decoder = model.get_decoder()
+        return cls(model.config, type(decoder.layers[0]), type(decoder.rotary_emb))
+
+    def forward(
+        self,
+        features: torch.Tensor,  # (B, T, H) target features at t
+        next_embeds: torch.Tensor,  # (B, T, H) embeddings of tokens t+1
+        position_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # None = causal; else a float 4D mask (B, 1, T, past+T)
+        cache=None,
+    ) -> torch.Tensor:
+        """Predicted features at t+1, (B, T, H)."""
+        x = self.fc(torch.cat([next_embeds, features], dim=-1))
+        cos_sin = self.rotary(x, position_ids)
+        return self.layer(
+            x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=cos_sin,
+            cache=cache,
+            use_cache=cache is not None,
+        )

@@ -1,0 +1,137 @@
+"""Training configuration: dataclasses (the one place every default is defined), YAML, dotted overrides.
+
+    cfg = load_config("configs/smoke.yaml", ["optim.lr=3e-4", "heads.kind=eagle"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class TargetConfig:
+    model: str = "smollm2-135m-instruct"  # as `headstart --model`; or `tiny:<layers>` for a random test model
+    dtype: str = "float32"  # of the frozen target; heads train in float32 (+ autocast where available)
+
+
+@dataclass
+class HeadsConfig:
+    kind: str = "medusa"  # medusa | eagle
+    num_heads: int = 4  # medusa only
+    own_lm_head: bool = False  # medusa only: a trainable lm_head copy per head
+    feature_noise: float = 0.2  # eagle only: uniform noise U(-a/2, a/2) on input features while training
+    ce_weight: float = 0.1  # eagle only: loss = SmoothL1(feature) + ce_weight * CE(target distribution)
+
+
+@dataclass
+class DataConfig:
+    path: str = "runs/distill/smollm2"  # distilled shards (train/distill.py output)
+    eval_rows: int = 64  # held-out rows (the last ones), never trained on
+    max_len: int = 512  # tokens per row (prompt + response), longer rows are cut
+    batch_tokens: int = 4096  # tokens per micro-batch, rows bucketed by length to waste little on padding
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    max_steps: int = 2000
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/heads"
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mixed_precision: str = "no"  # no | bf16 | fp16: passed to Accelerate
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 200
+    report_to: str = "none"  # wandb | tensorboard | none
+    run_name: str = ""  # default: <kind>-<target>-<data>
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the dataclasses; the message names the key."""
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    if not isinstance(values, dict):
+        raise ConfigError(f"'{prefix.rstrip('.') or 'config'}' must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value, hint, key: str):
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"'{key}' must be a list, got {value!r}")
+        return tuple(_coerce(v, t, key) for v, t in zip(value, typing.get_args(hint), strict=True))
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and not (isinstance(value, hint) and (hint is bool or not isinstance(value, bool))):
+        raise ConfigError(f"'{key}' must be {hint.__name__}, got {value!r}")
+    if hint is float and not isinstance(value, float):
+        raise ConfigError(f"'{key}' must be a number, got {value!r}")
+    return value
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{key}' is not a section")
+    tree[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """TrainConfig from a YAML file (optional) and `key.sub=value` overrides (values parsed as YAML)."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from e
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(values, key.strip(), yaml.safe_load(raw))
+    return _build(TrainConfig, values)
+
+
+def config_to_dict(cfg) -> dict:
+    """Plain JSON-able dict of a (nested) config, tuples as lists: what is saved and logged."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))

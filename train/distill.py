@@ -1,0 +1,141 @@
+"""Self-distillation: the target answers each prompt under its chat template; heads learn its own outputs.
+
+Rows go to JSONL shards (`shard-00000.jsonl`, ...) that `datasets.load_dataset("json", ...)` reads:
+`{"id", "category", "prompt_ids", "response_ids"}`. Killed and restarted with the same command, it
+skips every id already written and cuts a half-written last line, so no row is duplicated or lost.
+
+    headstart distill --prompts ../shared/data/train/prompts.jsonl --out runs/distill/smollm2 --permissive-only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class DistillPrompt:
+    id: str
+    category: str
+    text: str
+
+
+def read_prompts(path: str | Path, permissive_only: bool = False, limit: int | None = None) -> list[DistillPrompt]:
+    """First user turn of each row; malformed lines are skipped with one warning that counts them."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompts file not found: {path}")
+    prompts, bad = [], 0
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text = row["turns"][0]
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError("empty turn")
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
+                bad += 1
+                continue
+            if permissive_only and row.get("permissive") is not True:
+                continue
+            prompts.append(DistillPrompt(str(row.get("id", line_no)), str(row.get("category", "")), text))
+            if limit is not None and len(prompts) >= limit:
+                break
+    if bad:
+        print(f"headstart: warning: skipped {bad} malformed line(s) in {path}", file=sys.stderr)
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):  # resuming is keyed by id: make ids unique and stable
+        prompts = [DistillPrompt(f"{p.id}#{i}", p.category, p.text) for i, p in enumerate(prompts)]
+    return prompts
+
+
+def _repair_and_read_done(out: Path) -> set[str]:
+    """Ids already written; a last line cut by a kill is removed."""
+    done: set[str] = set()
+    for shard in sorted(out.glob("shard-*.jsonl")):
+        data = shard.read_bytes()
+        if data and not data.endswith(b"\n"):
+            data = data[: data.rfind(b"\n") + 1]
+            shard.write_bytes(data)
+        for line in data.decode().splitlines():
+            done.add(json.loads(line)["id"])
+    return done
+
+
+def _batches(prompts: list[DistillPrompt], size: int) -> Iterator[list[DistillPrompt]]:
+    for i in range(0, len(prompts), size):
+        yield prompts[i : i + size]
+
+
+@torch.inference_mode()
+def distill(
+    model,
+    tokenizer,
+    prompts: list[DistillPrompt],
+    out: str | Path,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    batch_size: int = 16,
+    rows_per_shard: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """Answer every prompt not answered yet; returns throughput figures."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as e:
+        raise ValueError(f"output directory {out} is not writable ({e.strerror})") from e
+    done = _repair_and_read_done(out)
+    todo = [p for p in prompts if p.id not in done]
+    # Similar lengths together: less left padding per batch. The order is fixed by the prompt list.
+    encoded = {
+        p.id: tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.text}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for p in todo
+    }
+    todo.sort(key=lambda p: len(encoded[p.id]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    n_written = len(done)
+    new_tokens, t0 = 0, time.perf_counter()
+    bar = tqdm(total=len(todo), desc="distill", unit="row", dynamic_ncols=True)
+    for batch in _batches(todo, batch_size):
+        ids = [encoded[p.id] for p in batch]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
+        kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
+        torch.manual_seed(seed + n_written)
+        gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
+        lines = []
+        for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True):
+            eos_ids = eos if isinstance(eos, list) else [eos]
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+            response = row[:cut]
+            new_tokens += len(response)
+            lines.append(json.dumps({"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": response}))
+        shard = out / f"shard-{n_written // rows_per_shard:05d}.jsonl"
+        with shard.open("a") as f:  # one write per batch, flushed to disk before the next batch
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        n_written += len(batch)
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    seconds = time.perf_counter() - t0
+    return {"rows": n_written, "new_rows": len(todo), "new_tokens": new_tokens, "seconds": seconds,
+            "tokens_per_s": new_tokens / seconds if seconds else 0.0}  # fmt: skip

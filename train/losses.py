@@ -1,0 +1,92 @@
+"""Losses and per-head metrics for Medusa and EAGLE heads on a frozen target's outputs.
+
+Shapes: B rows, T positions, H hidden, V vocabulary, K heads. `hidden` is the target's final
+hidden state after its final norm, `loss_mask` is True on the assistant's (response) tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.eagle import EagleHead
+from heads.medusa import MedusaHeads
+
+
+def medusa_logits(heads: MedusaHeads, hidden: torch.Tensor, lm_head: nn.Module) -> list[torch.Tensor]:
+    """Per head k = 1..K: logits (B, T-k-1, V) at positions t that have a label t+k+1."""
+    feats = heads.features(hidden)  # (K, B, T, H)
+    T = hidden.shape[1]
+    return [heads.head_logits(k, feats[k - 1][:, : T - k - 1], lm_head) for k in range(1, heads.num_heads + 1)]
+
+
+def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head k at position t is scored against token t+k+1, where that token is a response token."""
+    return input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
+
+
+def medusa_loss(heads, hidden, lm_head, input_ids, loss_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Sum over heads of the mean cross-entropy; also each head's (B, T-k-1, V) logits."""
+    logits = medusa_logits(heads, hidden, lm_head)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for k, lg in enumerate(logits, 1):
+        labels, valid = medusa_labels(input_ids, loss_mask, k)
+        if valid.any():
+            total = total + F.cross_entropy(lg[valid].float(), labels[valid])
+    return total, logits
+
+
+def eagle_predict(head: EagleHead, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+    """Predicted features (B, T, H) at t+1 from features at t and embeddings of tokens t+1 (causal)."""
+    B, T, _ = features.shape
+    positions = torch.arange(T, device=features.device)[None].expand(B, T)
+    return head(features, next_embeds, positions)
+
+
+def eagle_loss(
+    head: EagleHead,
+    hidden: torch.Tensor,  # (B, T, H) target features
+    target_logits: torch.Tensor,  # (B, T, V) target logits (lm_head of hidden)
+    embed: nn.Module,
+    lm_head: nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    noise: float = 0.0,
+    ce_weight: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SmoothL1 on the next feature + ce_weight * cross-entropy against the target's next-token distribution."""
+    features = hidden[:, :-1]
+    if noise:
+        features = features + (torch.rand_like(features) - 0.5) * noise  # uniform U(-noise/2, noise/2)
+    pred = eagle_predict(head, features, embed(input_ids[:, 1:]))  # (B, T-1, H) ~ hidden[:, 1:]
+    valid = loss_mask[:, 1:]
+    if not valid.any():
+        zero = pred.sum() * 0
+        return zero, {"feature_loss": zero, "ce_loss": zero}
+    feature_loss = F.smooth_l1_loss(pred[valid].float(), hidden[:, 1:][valid].float())
+    p = target_logits[:, 1:][valid].float().softmax(-1)  # target's distribution of token t+2
+    log_q = lm_head(pred[valid]).float().log_softmax(-1)
+    ce_loss = -(p * log_q).sum(-1).mean()
+    return feature_loss + ce_weight * ce_loss, {"feature_loss": feature_loss, "ce_loss": ce_loss}
+
+
+def head_metrics(correct_top1: list[torch.Tensor], correct_top5: list[torch.Tensor]) -> dict[str, float]:
+    """Metrics named as in DESIGN.md from per-head boolean hit tensors over the same positions (N,).
+
+    head_{k}/acceptance is the share of positions where head k is right given heads < k were right;
+    acceptance_length = 1 + sum_k prod_{j<=k} acceptance_j (a chain of top-1 guesses).
+    """
+    metrics: dict[str, float] = {}
+    alive = torch.ones_like(correct_top1[0])
+    expected, prod = 1.0, 1.0
+    for k, (top1, top5) in enumerate(zip(correct_top1, correct_top5, strict=True), 1):
+        metrics[f"head_{k}/top1"] = top1.float().mean().item()
+        metrics[f"head_{k}/top5"] = top5.float().mean().item()
+        acceptance = (top1 & alive).sum().item() / max(alive.sum().item(), 1)
+        metrics[f"head_{k}/acceptance"] = acceptance
+        prod *= acceptance
+        expected += prod
+        alive = alive & top1
+    metrics["acceptance_length"] = expected
+    return metrics
