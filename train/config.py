@@ -1,6 +1,6 @@
 """Training configuration: dataclasses (the one place every default is defined), YAML, dotted overrides.
 
-    cfg = load_config("configs/smoke.yaml", ["optim.lr=3e-4", "heads.kind=eagle"])
+cfg = load_config("configs/smoke.yaml", ["optim.lr=3e-4", "heads.kind=eagle"])
 """
 
 from __future__ import annotations
@@ -95,12 +95,13 @@ def _coerce(value, hint, key: str):
         return tuple(_coerce(v, t, key) for v, t in zip(value, typing.get_args(hint), strict=True))
     if origin in (typing.Union, types.UnionType):
         return value
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+    if hint is float and not isinstance(value, bool):
+        try:  # YAML 1.1 reads `3e-4` as a string
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"'{key}' must be a number, got {value!r}") from None
     if hint in (int, str, bool) and not (isinstance(value, hint) and (hint is bool or not isinstance(value, bool))):
         raise ConfigError(f"'{key}' must be {hint.__name__}, got {value!r}")
-    if hint is float and not isinstance(value, float):
-        raise ConfigError(f"'{key}' must be a number, got {value!r}")
     return value
 
 

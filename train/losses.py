@@ -11,14 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.eagle import EagleHead
-from heads.medusa import MedusaHeads
-
-
-def medusa_logits(heads: MedusaHeads, hidden: torch.Tensor, lm_head: nn.Module) -> list[torch.Tensor]:
-    """Per head k = 1..K: logits (B, T-k-1, V) at positions t that have a label t+k+1."""
-    feats = heads.features(hidden)  # (K, B, T, H)
-    T = hidden.shape[1]
-    return [heads.head_logits(k, feats[k - 1][:, : T - k - 1], lm_head) for k in range(1, heads.num_heads + 1)]
 
 
 def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,15 +18,19 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
     return input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
 
 
-def medusa_loss(heads, hidden, lm_head, input_ids, loss_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Sum over heads of the mean cross-entropy; also each head's (B, T-k-1, V) logits."""
-    logits = medusa_logits(heads, hidden, lm_head)
+def medusa_loss(heads, hidden, lm_head, input_ids, loss_mask) -> torch.Tensor:
+    """Sum over heads k = 1..K of the mean cross-entropy of head k against token t+k+1.
+
+    Goes through the module's forward (K, B, T, V), so DDP sees every parameter used.
+    """
+    logits = heads(hidden, lm_head)
+    T = hidden.shape[1]
     total = hidden.new_zeros((), dtype=torch.float32)
-    for k, lg in enumerate(logits, 1):
+    for k in range(1, logits.shape[0] + 1):
         labels, valid = medusa_labels(input_ids, loss_mask, k)
         if valid.any():
-            total = total + F.cross_entropy(lg[valid].float(), labels[valid])
-    return total, logits
+            total = total + F.cross_entropy(logits[k - 1][:, : T - k - 1][valid].float(), labels[valid])
+    return total
 
 
 def eagle_predict(head: EagleHead, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:

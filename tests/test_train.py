@@ -1,0 +1,210 @@
+"""Training on a tiny random Llama: label shift, config errors, pinned losses, kill-and-resume, distillation restart."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from heads.checkpoint import load_heads
+from tests.conftest import WORDS
+from train import heads as train_heads
+from train.config import ConfigError, load_config
+from train.data import Row, collate, make_batches
+from train.distill import distill, read_prompts
+from train.losses import head_metrics, medusa_labels
+
+
+def write_shards(path, n_rows=40, seed=0):
+    """Synthetic distilled rows: a prompt then a response drawn from a small repeating pattern."""
+    rng = random.Random(seed)
+    vocab = len(WORDS)
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / "shard-00000.jsonl").open("w") as f:
+        for i in range(n_rows):
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 8))]
+            start = rng.randrange(3, vocab - 6)
+            response = [start + (j % 5) for j in range(rng.randrange(8, 20))]
+            f.write(json.dumps({"id": str(i), "category": "x", "prompt_ids": prompt, "response_ids": response}) + "\n")
+
+
+def make_cfg(tmp_path, model_dir, kind="medusa", **extra):
+    data = tmp_path / "data"
+    if not data.exists():
+        write_shards(data)
+    overrides = [
+        f"target.model={model_dir}", f"heads.kind={kind}", f"data.path={data}", "data.eval_rows=8",
+        "data.batch_tokens=128", "optim.max_steps=6", "optim.warmup_steps=2", "optim.lr=0.01",
+        "log_every=1", "eval_every=3", "save_every=3", f"output_dir={tmp_path / 'out'}", "heads.num_heads=3",
+    ]  # fmt: skip
+    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+
+
+def test_medusa_label_shift_by_hand():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[False, False, True, True, True, True]])  # response starts at position 2
+    labels, valid = medusa_labels(ids, mask, k=1)
+    # head 1 at position t is scored against token t+2: t=0 -> 12, t=1 -> 13, ... t=3 -> 15
+    assert labels.tolist() == [[12, 13, 14, 15]] and valid.tolist() == [[True, True, True, True]]
+    labels, valid = medusa_labels(ids, mask, k=3)
+    assert labels.tolist() == [[14, 15]]  # head 3: token t+4
+    mask2 = torch.tensor([[False, False, False, False, True, True]])
+    assert medusa_labels(ids, mask2, k=1)[1].tolist() == [[False, False, True, True]]
+
+
+def test_head_metrics_conditional_acceptance():
+    top1 = [torch.tensor([1, 1, 1, 0]).bool(), torch.tensor([1, 0, 1, 1]).bool()]
+    m = head_metrics(top1, top1)
+    assert m["head_1/acceptance"] == 0.75 and m["head_2/acceptance"] == pytest.approx(2 / 3)
+    assert m["acceptance_length"] == pytest.approx(1 + 0.75 + 0.75 * 2 / 3)
+
+
+def test_batches_and_loss_mask():
+    rows = [Row([1, 2, 3, 4, 5], 2), Row([6, 7, 8], 1), Row(list(range(10, 30)), 5)]
+    batches = make_batches(rows, batch_tokens=10, seed=0)
+    assert sorted(i for b in batches for i in b) == [0, 1, 2]
+    assert all(max(len(rows[i].input_ids) for i in b) * len(b) <= 10 or len(b) == 1 for b in batches)
+    b = collate(rows[:2], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]
+    assert b["loss_mask"].int().tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]]
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "none.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lrr'"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"'optim\.max_steps' must be int"):
+        load_config(None, ["optim.max_steps=abc"])
+    cfg = load_config(None, ["optim.lr=3e-4", "heads.kind=eagle", "optim.betas=[0.8, 0.9]"])
+    assert cfg.optim.lr == 3e-4 and cfg.heads.kind == "eagle" and cfg.optim.betas == (0.8, 0.9)
+
+
+def test_cli_errors(tmp_path, capsys, tiny_model_dir):
+    assert train_heads.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {blocker}/sub\n")
+    assert train_heads.main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "is not writable" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_training_reduces_loss_and_saves_heads(tmp_path, tiny_model_dir, kind):
+    cfg = make_cfg(tmp_path, tiny_model_dir, kind, **{"optim.max_steps": 12})
+    metrics = train_heads.run(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["train/loss"] for x in lines]
+    assert losses[-1] < losses[0]
+    assert {"head_1/top1", "head_1/top5", "head_1/acceptance", "acceptance_length"} <= set(metrics)
+    from runtime.models import load_model
+
+    model, tok = load_model(str(tiny_model_dir))
+    _, config = load_heads(tmp_path / "out" / "heads", model, tok)
+    assert config["kind"] == kind and config["steps"] == 12 and config["metrics"] == metrics
+
+
+def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkeypatch):
+    whole = make_cfg(tmp_path / "a", tiny_model_dir, "eagle")  # eagle: feature noise draws from the RNG
+    train_heads.run(whole)
+    expected = load_file(tmp_path / "a" / "out" / "heads" / "model.safetensors")
+
+    cfg = make_cfg(tmp_path / "b", tiny_model_dir, "eagle")
+    original = train_heads.Trainer.save_checkpoint
+
+    def save_then_die(self, step):
+        original(self, step)
+        raise KeyboardInterrupt  # killed right after the first checkpoint (step 3 of 6)
+
+    monkeypatch.setattr(train_heads.Trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_heads.run(cfg)
+    monkeypatch.setattr(train_heads.Trainer, "save_checkpoint", original)
+    assert not (tmp_path / "b" / "out" / "heads").exists()
+    train_heads.run(cfg)  # the same command again: resumes at step 3
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 1-3 ran once: the second run resumed, it did not start over
+    resumed = load_file(tmp_path / "b" / "out" / "heads" / "model.safetensors")
+    for name in expected:
+        assert torch.equal(expected[name], resumed[name]), name
+
+
+def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys):
+    from runtime.models import load_model
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    rows = [{"id": f"p{i}", "turns": [f"the cat {i % 3}"], "permissive": i % 4 != 0} for i in range(12)]
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(5, "{broken")
+    prompts_file.write_text("\n".join(lines) + "\n")
+    prompts = read_prompts(prompts_file, permissive_only=True)
+    assert "skipped 1 malformed line" in capsys.readouterr().err
+    assert len(prompts) == 9
+    model, tok = load_model(str(tiny_model_dir))
+    out = tmp_path / "distilled"
+    calls = {"n": 0}
+    real_generate = model.generate
+
+    def dying_generate(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_generate(*args, **kwargs)
+
+    model.generate = dying_generate
+    with pytest.raises(KeyboardInterrupt):
+        distill(model, tok, prompts, out, max_new_tokens=6, batch_size=2)
+    with (out / "shard-00000.jsonl").open("a") as f:
+        f.write('{"id": "half-writ')  # a kill in the middle of a write
+    model.generate = real_generate
+    stats = distill(model, tok, prompts, out, max_new_tokens=6, batch_size=2)
+    assert stats["new_rows"] == 5
+    written = [json.loads(x)["id"] for p in sorted(out.glob("shard-*.jsonl")) for x in p.read_text().splitlines()]
+    assert sorted(written) == sorted(p.id for p in prompts)
+
+
+PINNED = {  # five AdamW steps on one fixed batch; recompute only for a deliberate change of the loss
+    "medusa": [22.465492, 18.995012, 15.653320, 12.370611, 9.235425],
+    "eagle": [0.930449, 0.706618, 0.572322, 0.480472, 0.415322],
+}
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_fixed_batch_losses_are_pinned(kind):
+    from heads.checkpoint import build_heads
+    from tests.conftest import tiny_llama
+    from train.losses import eagle_loss, medusa_loss
+
+    model = tiny_llama(vocab_size=64, init_std=0.2)
+    torch.manual_seed(0)
+    heads = build_heads(kind, model)
+    if kind == "medusa":
+        for p in heads.parameters():  # zero-initialised blocks would make every head equal at step 0
+            p.data.normal_(0, 0.02)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, :3] = False
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    hidden, logits = out.hidden_states[-1], out.logits
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        if kind == "medusa":
+            loss = medusa_loss(heads, hidden, model.lm_head, ids, mask)
+        else:
+            loss, _ = eagle_loss(heads, hidden, logits, model.model.embed_tokens, model.lm_head, ids, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert losses == pytest.approx(PINNED[kind], rel=1e-4)

@@ -1,0 +1,331 @@
+"""Train Medusa or EAGLE heads on a frozen target: the `accelerate launch` entry point.
+
+    accelerate launch train/heads.py --config configs/smoke.yaml [key.sub=value ...]
+
+One process on a CPU to many GPUs on many nodes: only Accelerate's own launch options change.
+The target runs under no_grad; only the heads train. Checkpoints (`accelerator.save_state`) every
+`save_every` steps; started again with the same command, a run resumes from its last checkpoint and
+reaches the same weights as an uninterrupted run (same seed, single process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):  # run as a script by `accelerate launch train/heads.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from heads.checkpoint import build_heads, save_heads, target_fingerprint
+from train.config import ConfigError, TrainConfig, config_to_dict, load_config
+from train.data import Row, collate, load_rows, make_batches, split_rows
+from train.losses import eagle_loss, eagle_predict, head_metrics, medusa_labels, medusa_loss
+
+EVAL_TOPK = 5
+
+
+def load_target(cfg: TrainConfig):
+    """(frozen model, tokenizer). `tiny` = a 2-layer random Llama over the SmolLM2 tokenizer's vocabulary."""
+    from runtime.models import DEFAULT_MODEL, load_model
+
+    if cfg.target.model == "tiny":
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        from runtime.models import resolve_model_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
+        torch.manual_seed(cfg.seed)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config).eval().requires_grad_(False)
+        model.config.name_or_path = "tiny"
+        return model, tokenizer
+    model, tokenizer = load_model(cfg.target.model, dtype=cfg.target.dtype)
+    model.config.name_or_path = cfg.target.model
+    return model, tokenizer
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warmup then cosine decay to 10 % of the peak, over max_steps optimizer steps."""
+    warmup, total = cfg.optim.warmup_steps, cfg.optim.max_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, accelerator, model, tokenizer, rows: list[Row]) -> None:
+        self.cfg = cfg
+        self.acc = accelerator
+        self.model = model.to(accelerator.device)
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
+        if not self.train_rows:
+            raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
+        options = {"num_heads": cfg.heads.num_heads, "own_lm_head": cfg.heads.own_lm_head}
+        self.options = options if cfg.heads.kind == "medusa" else {}
+        heads = build_heads(cfg.heads.kind, model, **self.options).float()
+        optimizer = torch.optim.AdamW(
+            heads.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.heads, self.optimizer = accelerator.prepare(heads, optimizer)
+        accelerator.register_for_checkpointing(self.scheduler)
+        self.lm_head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self._epoch = 0
+        self._batches = make_batches(self.train_rows, cfg.data.batch_tokens, cfg.seed)
+        self.batches_per_epoch = len(self._batches)  # the grouping is fixed, only its order changes per epoch
+
+    # ---- data ------------------------------------------------------------------------------------
+
+    def micro_batch(self, index: int) -> dict[str, torch.Tensor]:
+        """The `index`-th micro-batch of the endless stream, reshuffled each epoch: a pure function of index."""
+        epoch, i = divmod(index, self.batches_per_epoch)
+        if self._epoch != epoch:
+            self._epoch = epoch
+            self._batches = make_batches(self.train_rows, self.cfg.data.batch_tokens, self.cfg.seed + epoch)
+        batch = collate([self.train_rows[j] for j in self._batches[i]], self.pad_id)
+        return {k: v.to(self.acc.device) for k, v in batch.items()}
+
+    # ---- one loss --------------------------------------------------------------------------------
+
+    def target_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Frozen target: final features (B, T, H) and, for EAGLE, logits (B, T, V)."""
+        with torch.no_grad():
+            out = self.model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                output_hidden_states=True,
+                logits_to_keep=0 if self.cfg.heads.kind == "eagle" else 1,
+            )
+        logits = out.logits.float() if self.cfg.heads.kind == "eagle" else None
+        return out.hidden_states[-1].float(), logits
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden, logits = self.target_outputs(batch)
+        if self.cfg.heads.kind == "medusa":
+            return medusa_loss(self.heads, hidden, self.lm_head_f32, batch["input_ids"], batch["loss_mask"])
+        loss, _ = eagle_loss(
+            self.heads, hidden, logits, self.embed_f32, self.lm_head_f32, batch["input_ids"], batch["loss_mask"],
+            noise=self.cfg.heads.feature_noise, ce_weight=self.cfg.heads.ce_weight,
+        )  # fmt: skip
+        return loss
+
+    def lm_head_f32(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(self.lm_head.weight.dtype), self.lm_head.weight).float()
+
+    def embed_f32(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).float()
+
+    # ---- evaluation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Per-head top-1/top-5, conditional acceptance and simulated acceptance length on held-out rows."""
+        heads = self.acc.unwrap_model(self.heads)
+        heads.eval()
+        K = self.cfg.heads.num_heads
+        top1: list[list[torch.Tensor]] = [[] for _ in range(K)]
+        top5: list[list[torch.Tensor]] = [[] for _ in range(K)]
+        for start in range(0, len(self.eval_rows), 8):
+            batch = collate(self.eval_rows[start : start + 8], self.pad_id)
+            batch = {k: v.to(self.acc.device) for k, v in batch.items()}
+            hidden, _ = self.target_outputs(batch)
+            ids, mask = batch["input_ids"], batch["loss_mask"]
+            T = ids.shape[1]
+            n = T - K - 1  # positions t that have labels t+2 .. t+K+1
+            if n <= 0:
+                continue
+            valid = torch.stack([medusa_labels(ids, mask, k)[1][:, :n] for k in range(1, K + 1)]).all(0)
+            for k, logits in enumerate(self.head_logits_for_eval(heads, hidden, ids), 1):
+                labels = medusa_labels(ids, mask, k)[0][:, :n]
+                guess = logits[:, :n].topk(EVAL_TOPK, dim=-1).indices  # (B, n, 5)
+                top1[k - 1].append((guess[..., 0] == labels)[valid])
+                top5[k - 1].append((guess == labels[..., None]).any(-1)[valid])
+        heads.train()
+        if not top1[0]:
+            return {}
+        return head_metrics([torch.cat(x) for x in top1], [torch.cat(x) for x in top5])
+
+    def head_logits_for_eval(self, heads, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Logits at each position t for the token k+1 places ahead, k = 1..K.
+
+        EAGLE "head k" is the k-th autoregressive step: its input features are the previous step's
+        predictions (at every position at once, so the context too is predicted: a pessimistic
+        simulation of drafting) and the embeddings of the true tokens.
+        """
+        K = self.cfg.heads.num_heads
+        if self.cfg.heads.kind == "medusa":
+            feats = heads.features(hidden)
+            return [heads.head_logits(k, feats[k - 1], self.lm_head_f32) for k in range(1, K + 1)]
+        out, feats = [], hidden
+        for k in range(1, K + 1):
+            feats = eagle_predict(heads, feats[:, :-1], self.embed_f32(ids[:, k:]))  # position t predicts t+k
+            out.append(self.lm_head_f32(feats))
+        return out
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    @property
+    def ckpt_root(self) -> Path:
+        return Path(self.cfg.output_dir) / "checkpoints"
+
+    def save_checkpoint(self, step: int) -> None:
+        path = self.ckpt_root / f"step-{step:07d}"
+        self.acc.save_state(str(path))
+        if self.acc.is_main_process:
+            (path / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2))
+            (path / "trainer.json").write_text(json.dumps({"step": step}))  # written last: marks it complete
+            for old in sorted(self.ckpt_root.glob("step-*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint; the optimizer step to continue from (0 if none)."""
+        done = sorted(p for p in self.ckpt_root.glob("step-*") if (p / "trainer.json").is_file())
+        if not done:
+            return 0
+        self.acc.load_state(str(done[-1]))
+        step = json.loads((done[-1] / "trainer.json").read_text())["step"]
+        self.acc.print(f"headstart: resuming from {done[-1]} (step {step})")
+        return step
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        cfg, acc = self.cfg, self.acc
+        out = Path(cfg.output_dir)
+        start = self.resume()
+        world, rank = acc.num_processes, acc.process_index
+        accum = cfg.optim.grad_accum
+        metrics_file = out / "metrics.jsonl"
+        tokens, t0 = 0, time.perf_counter()
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.optim.max_steps, initial=start, desc=f"train {cfg.heads.kind}",
+                   disable=not acc.is_local_main_process, dynamic_ncols=True)  # fmt: skip
+        metrics: dict[str, float] = {}
+        for step in range(start, cfg.optim.max_steps):
+            self.heads.train()
+            total = 0.0
+            for micro in range(accum):
+                batch = self.micro_batch((step * accum + micro) * world + rank)
+                tokens += int(batch["attention_mask"].sum())
+                sync = acc.no_sync(self.heads) if micro < accum - 1 else _nullcontext()
+                with sync, acc.autocast():
+                    loss = self.loss(batch) / accum
+                acc.backward(loss)
+                total += loss.item()
+            acc.clip_grad_norm_(self.heads.parameters(), cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            bar.update(1)
+            done = step + 1
+            record: dict[str, float] = {}
+            if done % cfg.log_every == 0 or done == cfg.optim.max_steps:
+                seconds = time.perf_counter() - t0
+                record.update({"train/loss": total, "lr": self.scheduler.get_last_lr()[0],
+                               "train/tokens_per_s": tokens * world / seconds})  # fmt: skip
+                bar.set_postfix(loss=f"{total:.3f}")
+            if self.eval_rows and (done % cfg.eval_every == 0 or done == cfg.optim.max_steps):
+                metrics = self.evaluate()
+                record.update(metrics)
+            if record:
+                acc.log(record, step=done)
+                if acc.is_main_process:
+                    with metrics_file.open("a") as f:
+                        f.write(json.dumps({"step": done, **record}) + "\n")
+            if done % cfg.save_every == 0 or done == cfg.optim.max_steps:
+                self.save_checkpoint(done)
+        bar.close()
+        if acc.is_main_process:
+            extra = {
+                "dtype": "bfloat16",
+                "training": config_to_dict(cfg),
+                "data_rows": len(self.train_rows),
+                "eval_rows": len(self.eval_rows),
+                "steps": cfg.optim.max_steps,
+                "metrics": metrics,
+            }
+            fp = target_fingerprint(self.model, self.tokenizer, name=cfg.target.model)
+            save_heads(out / "heads", acc.unwrap_model(self.heads), cfg.heads.kind, self.options, fp, extra)
+        return metrics
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run(cfg: TrainConfig) -> dict[str, float]:
+    """Train one head kind as `cfg` says; returns the final held-out metrics."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    if cfg.heads.kind not in ("medusa", "eagle"):
+        raise ConfigError(f"heads.kind must be medusa or eagle, got '{cfg.heads.kind}'")
+    out = Path(cfg.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir {out} is not writable ({e.strerror})") from e
+    log_with = None if cfg.report_to == "none" else cfg.report_to
+    if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"
+        print("headstart: no WANDB_API_KEY: W&B logs offline (sync later with `wandb sync`)", file=sys.stderr)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=log_with, project_dir=str(out),
+                              cpu=not torch.cuda.is_available())  # fmt: skip
+    set_seed(cfg.seed)
+    model, tokenizer = load_target(cfg)
+    rows = load_rows(cfg.data.path, cfg.data.max_len)
+    trainer = Trainer(cfg, accelerator, model, tokenizer, rows)
+    if accelerator.is_main_process:
+        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    if log_with:
+        name = cfg.run_name or f"{cfg.heads.kind}-{Path(cfg.target.model).name}-{Path(cfg.data.path).name}"
+        init = {"wandb": {"name": name, "dir": str(out)}} if cfg.report_to == "wandb" else {}
+        accelerator.init_trackers("headstart", config=config_to_dict(cfg), init_kwargs=init)
+    metrics = trainer.fit()
+    accelerator.end_training()
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train draft heads on a frozen target.")
+    parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 heads.kind=eagle")
+    args = parser.parse_args(argv)
+    try:
+        run(load_config(args.config, args.overrides))
+    except (ConfigError, ValueError) as e:
+        print(f"headstart: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
