@@ -23,7 +23,7 @@ class TargetConfig:
 
 @dataclass
 class HeadsConfig:
-    kind: str = "medusa"  # medusa | eagle
+    kind: str = "medusa"  # medusa | eagle | medusa,eagle (one run each, in output_dir/<kind>)
     num_heads: int = 4  # medusa only
     own_lm_head: bool = False  # medusa only: a trainable lm_head copy per head
     feature_noise: float = 0.2  # eagle only: uniform noise U(-a/2, a/2) on input features while training
@@ -33,6 +33,9 @@ class HeadsConfig:
 @dataclass
 class DataConfig:
     path: str = "runs/distill/smollm2"  # distilled shards (train/distill.py output)
+    distill_prompts: str = ""  # if set and `path` holds no shards: distill these prompts first
+    distill_limit: int = 256  # rows to distill then
+    distill_max_new_tokens: int = 64
     eval_rows: int = 64  # held-out rows (the last ones), never trained on
     max_len: int = 512  # tokens per row (prompt + response), longer rows are cut
     batch_tokens: int = 4096  # tokens per micro-batch, rows bucketed by length to waste little on padding

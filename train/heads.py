@@ -11,6 +11,7 @@ reaches the same weights as an uninterrupted run (same seed, single process).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -107,24 +108,24 @@ class Trainer:
 
     # ---- one loss --------------------------------------------------------------------------------
 
-    def target_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Frozen target: final features (B, T, H) and, for EAGLE, logits (B, T, V)."""
+    def target_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Frozen target: final features (B, T, H) after the final norm."""
         with torch.no_grad():
             out = self.model(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
                 output_hidden_states=True,
-                logits_to_keep=0 if self.cfg.heads.kind == "eagle" else 1,
+                logits_to_keep=1,
             )
-        logits = out.logits.float() if self.cfg.heads.kind == "eagle" else None
-        return out.hidden_states[-1].float(), logits
+        return out.hidden_states[-1].float()
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden, logits = self.target_outputs(batch)
+        hidden = self.target_features(batch)
         if self.cfg.heads.kind == "medusa":
-            return medusa_loss(self.heads, hidden, self.lm_head_f32, batch["input_ids"], batch["loss_mask"])
+            ids, mask, k = batch["input_ids"], batch["loss_mask"], self.cfg.heads.num_heads
+            return medusa_loss(self.heads, hidden, self.lm_head_f32, ids, mask, k)
         loss, _ = eagle_loss(
-            self.heads, hidden, logits, self.embed_f32, self.lm_head_f32, batch["input_ids"], batch["loss_mask"],
+            self.heads, hidden, self.embed_f32, self.lm_head_f32, batch["input_ids"], batch["loss_mask"],
             noise=self.cfg.heads.feature_noise, ce_weight=self.cfg.heads.ce_weight,
         )  # fmt: skip
         return loss
@@ -148,7 +149,7 @@ class Trainer:
         for start in range(0, len(self.eval_rows), 8):
             batch = collate(self.eval_rows[start : start + 8], self.pad_id)
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
-            hidden, _ = self.target_outputs(batch)
+            hidden = self.target_features(batch)
             ids, mask = batch["input_ids"], batch["loss_mask"]
             T = ids.shape[1]
             n = T - K - 1  # positions t that have labels t+2 .. t+K+1
@@ -243,6 +244,7 @@ class Trainer:
             record: dict[str, float] = {}
             if done % cfg.log_every == 0 or done == cfg.optim.max_steps:
                 seconds = time.perf_counter() - t0
+                total = acc.reduce(torch.tensor(total, device=acc.device), "mean").item()  # over processes
                 record.update({"train/loss": total, "lr": self.scheduler.get_last_lr()[0],
                                "train/tokens_per_s": tokens * world / seconds})  # fmt: skip
                 bar.set_postfix(loss=f"{total:.3f}")
@@ -279,13 +281,38 @@ class _nullcontext:
         return False
 
 
-def run(cfg: TrainConfig) -> dict[str, float]:
+def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
+    """Train each head kind of `cfg.heads.kind` ("medusa", "eagle" or both); returns {kind: held-out metrics}."""
+    kinds = [k.strip() for k in cfg.heads.kind.split(",") if k.strip()]
+    if not kinds or any(k not in ("medusa", "eagle") for k in kinds):
+        raise ConfigError(f"heads.kind must be medusa, eagle or medusa,eagle; got '{cfg.heads.kind}'")
+    if len(kinds) == 1:
+        return {kinds[0]: run_one(cfg)}
+    results = {}
+    for kind in kinds:
+        one = dataclasses.replace(cfg, output_dir=str(Path(cfg.output_dir) / kind))
+        one.heads = dataclasses.replace(cfg.heads, kind=kind)
+        results[kind] = run_one(one)
+    return results
+
+
+def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
+    """Distill `data.distill_prompts` into `data.path` when it holds no shards yet (main process only)."""
+    if not cfg.data.distill_prompts or any(Path(cfg.data.path).glob("shard-*.jsonl")):
+        return
+    if accelerator.is_main_process:
+        from train.distill import distill, read_prompts
+
+        prompts = read_prompts(cfg.data.distill_prompts, permissive_only=True, limit=cfg.data.distill_limit)
+        distill(model, tokenizer, prompts, cfg.data.path, max_new_tokens=cfg.data.distill_max_new_tokens)
+    accelerator.wait_for_everyone()
+
+
+def run_one(cfg: TrainConfig) -> dict[str, float]:
     """Train one head kind as `cfg` says; returns the final held-out metrics."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    if cfg.heads.kind not in ("medusa", "eagle"):
-        raise ConfigError(f"heads.kind must be medusa or eagle, got '{cfg.heads.kind}'")
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -301,6 +328,7 @@ def run(cfg: TrainConfig) -> dict[str, float]:
                               cpu=not torch.cuda.is_available())  # fmt: skip
     set_seed(cfg.seed)
     model, tokenizer = load_target(cfg)
+    ensure_data(cfg, model.to(accelerator.device), tokenizer, accelerator)
     rows = load_rows(cfg.data.path, cfg.data.max_len)
     trainer = Trainer(cfg, accelerator, model, tokenizer, rows)
     if accelerator.is_main_process:
@@ -318,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train draft heads on a frozen target.")
     parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 heads.kind=eagle")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after --config
     try:
         run(load_config(args.config, args.overrides))
     except (ConfigError, ValueError) as e:

@@ -18,18 +18,25 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
     return input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
 
 
-def medusa_loss(heads, hidden, lm_head, input_ids, loss_mask) -> torch.Tensor:
+def medusa_loss(heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_heads: int) -> torch.Tensor:
     """Sum over heads k = 1..K of the mean cross-entropy of head k against token t+k+1.
 
-    Goes through the module's forward (K, B, T, V), so DDP sees every parameter used.
+    Logits are computed only at positions where some head has a label (the vocabulary projection
+    dominates the cost), through the module's forward so that DDP sees every parameter used
+    (`heads` may be DDP-wrapped, hence `num_heads` is passed).
     """
-    logits = heads(hidden, lm_head)
-    T = hidden.shape[1]
+    B, T = input_ids.shape
+    labels = torch.zeros(num_heads, B, T, dtype=torch.long, device=input_ids.device)
+    valid = torch.zeros(num_heads, B, T, dtype=torch.bool, device=input_ids.device)
+    for k in range(1, num_heads + 1):
+        labels[k - 1, :, : T - k - 1], valid[k - 1, :, : T - k - 1] = medusa_labels(input_ids, loss_mask, k)
+    used = valid.any(0)  # (B, T)
+    logits = heads(hidden[used], lm_head)  # (K, N, V)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for k in range(1, logits.shape[0] + 1):
-        labels, valid = medusa_labels(input_ids, loss_mask, k)
-        if valid.any():
-            total = total + F.cross_entropy(logits[k - 1][:, : T - k - 1][valid].float(), labels[valid])
+    for k in range(num_heads):
+        sel = valid[k][used]
+        if sel.any():
+            total = total + F.cross_entropy(logits[k][sel].float(), labels[k][used][sel])
     return total
 
 
@@ -43,7 +50,6 @@ def eagle_predict(head: EagleHead, features: torch.Tensor, next_embeds: torch.Te
 def eagle_loss(
     head: EagleHead,
     hidden: torch.Tensor,  # (B, T, H) target features
-    target_logits: torch.Tensor,  # (B, T, V) target logits (lm_head of hidden)
     embed: nn.Module,
     lm_head: nn.Module,
     input_ids: torch.Tensor,
@@ -60,8 +66,10 @@ def eagle_loss(
     if not valid.any():
         zero = pred.sum() * 0
         return zero, {"feature_loss": zero, "ce_loss": zero}
-    feature_loss = F.smooth_l1_loss(pred[valid].float(), hidden[:, 1:][valid].float())
-    p = target_logits[:, 1:][valid].float().softmax(-1)  # target's distribution of token t+2
+    truth = hidden[:, 1:][valid]  # (N, H)
+    feature_loss = F.smooth_l1_loss(pred[valid].float(), truth.float())
+    with torch.no_grad():
+        p = lm_head(truth).float().softmax(-1)  # the target's distribution of token t+2
     log_q = lm_head(pred[valid]).float().log_softmax(-1)
     ce_loss = -(p * log_q).sum(-1).mean()
     return feature_loss + ce_weight * ce_loss, {"feature_loss": feature_loss, "ce_loss": ce_loss}

@@ -1,0 +1,37 @@
+"""configs/smoke.yaml end to end, as its header launches it: both head kinds, offline W&B, under a minute or so."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.model  # the tiny target uses the embedded SmolLM2 tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_config_trains_both_kinds(tmp_path):
+    prompts = ROOT.parent / "shared" / "data" / "train" / "prompts.jsonl"
+    if not prompts.is_file():
+        pytest.skip(f"{prompts} not found (it lies in shared/ beside the checkout)")
+    exe = shutil.which("accelerate")
+    if exe is None:
+        pytest.skip("accelerate launcher not on PATH")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    cmd = [exe, "launch", "--num_processes", "1", "train/heads.py", "--config", "configs/smoke.yaml",
+           f"output_dir={tmp_path}", f"data.path={tmp_path / 'data'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "W&B logs offline" in proc.stderr
+    for kind in ("medusa", "eagle"):
+        out = tmp_path / kind
+        assert (out / "heads" / "model.safetensors").is_file()
+        assert list((out / "checkpoints").glob("step-*/trainer.json"))
+        assert list((out / "wandb").glob("offline-run-*"))
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert lines[-1]["step"] == 20 and "head_1/top1" in lines[-1] and "acceptance_length" in lines[-1]
