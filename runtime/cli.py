@@ -57,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
 
+    ds = sub.add_parser("distill", help="self-distillation: the target answers training prompts (resumable)")
+    _add_model_args(ds, "bfloat16")
+    ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
+    ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")
+    ds.add_argument("--permissive-only", action="store_true", help="only rows with permissive: true")
+    ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
+    ds.add_argument("--max-new-tokens", type=int, default=256)
+    ds.add_argument("--temperature", type=float, default=0.0)
+    ds.add_argument("--batch-size", type=int, default=16)
+    ds.add_argument("--seed", type=int, default=0)
+
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -70,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args, list(argv) if argv is not None else sys.argv[1:])
+        if args.command == "distill":
+            return cmd_distill(args)
         if args.command == "demo":
             from runtime.demo import run_demo
 
@@ -123,6 +136,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{s['acceptance_length']:.2f}, {s['target_passes']} target passes]",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from runtime.models import load_model
+    from train.distill import distill, read_prompts
+
+    _check_lengths(args)
+    SamplingParams(args.temperature)
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise UserError("--batch-size and --limit must be >= 1")
+    prompts = read_prompts(args.prompts, args.permissive_only, args.limit)
+    model, tokenizer = load_model(args.model, args.dtype, args.device)
+    stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
+                    seed=args.seed)  # fmt: skip
+    print(
+        f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
+        f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s",
+        file=sys.stderr,
+    )
     return 0
 
 
