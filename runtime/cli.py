@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--batch-size", type=int, default=16)
     ds.add_argument("--seed", type=int, default=0)
 
+    r = sub.add_parser("report", help="per-head training curves of several runs in one PNG")
+    r.add_argument("runs", nargs="+", help="training output directories (with metrics.jsonl)")
+    r.add_argument("--out", default="report.png")
+
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -83,6 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "distill":
             return cmd_distill(args)
+        if args.command == "report":
+            from train.report import draw_report
+
+            print(draw_report(args.runs, args.out))
+            return 0
         if args.command == "demo":
             from runtime.demo import run_demo
 

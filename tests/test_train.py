@@ -252,3 +252,19 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir):
     b = load_file(tmp_path / "two" / "heads" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name].float(), b[name].float(), atol=1e-2, rtol=1e-2)
+
+
+def test_report_png(tmp_path, capsys):
+    from runtime.cli import main
+
+    for name, slope in (("a", 0.1), ("b", 0.2)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "train/loss": 5 - slope * s, "head_1/top1": slope * s / 10, "head_1/acceptance": 0.5,
+                 "head_2/top1": 0.1, "head_2/acceptance": 0.3, "acceptance_length": 1.5} for s in (1, 2, 3)]  # fmt: skip
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "report.png"
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "holds no metrics.jsonl" in capsys.readouterr().err
