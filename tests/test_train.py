@@ -260,8 +260,8 @@ def test_report_png(tmp_path, capsys):
     for name, slope in (("a", 0.1), ("b", 0.2)):
         run = tmp_path / name
         run.mkdir()
-        rows = [{"step": s, "train/loss": 5 - slope * s, "head_1/top1": slope * s / 10, "head_1/acceptance": 0.5,
-                 "head_2/top1": 0.1, "head_2/acceptance": 0.3, "acceptance_length": 1.5} for s in (1, 2, 3)]  # fmt: skip
+        head = {"head_1/acceptance": 0.5, "head_2/top1": 0.1, "head_2/acceptance": 0.3, "acceptance_length": 1.5}
+        rows = [{"step": s, "train/loss": 5 - slope * s, "head_1/top1": slope * s / 10, **head} for s in (1, 2, 3)]
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "report.png"
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
