@@ -268,3 +268,14 @@ def test_report_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_every_checked_in_config_loads_and_shows_its_launch_command():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_config(path)
+        assert "accelerate launch train/heads.py --config configs/" + path.name in path.read_text(), path
+        assert all(k in ("medusa", "eagle") for k in cfg.heads.kind.split(","))
