@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", help="JSONL rows with 'turns' (the first turn is used) or 'prompt'")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--drafter", default="none", choices=["none", "lookup"])
+    g.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa"])
+    g.add_argument("--heads", default=None, help="trained heads directory (medusa)")
+    g.add_argument("--tree-budget", type=int, default=None, help="medusa: nodes per tree (default: saved shape)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -126,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.engine import Engine
     from runtime.generate import GenerationStats
 
-    engine = Engine.load(args.model, args.dtype, args.drafter, args.device)
+    engine = Engine.load(args.model, args.dtype, args.drafter, args.device, args.heads, args.tree_budget)
     for prompt in prompts:
         prompt_ids = engine.encode(prompt.text, chat=not args.raw)
         options = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)

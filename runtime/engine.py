@@ -39,10 +39,16 @@ class Engine:
 
     @classmethod
     def load(
-        cls, model: str = DEFAULT_MODEL, dtype: str = "float32", drafter: str = "none", device: str = "cpu"
+        cls,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "float32",
+        drafter: str = "none",
+        device: str = "cpu",
+        heads: str | None = None,
+        tree_budget: int | None = None,
     ) -> Engine:
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
-        return cls(hf_model, tokenizer, make_drafter(drafter))
+        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, tree_budget))
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of `prompt`, as one user turn under the model's chat template unless `chat` is False."""

@@ -27,11 +27,14 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch train/hea
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heads.checkpoint import build_heads, save_heads, target_fingerprint
+from heads.medusa import choose_tree_shape
 from train.config import ConfigError, TrainConfig, config_to_dict, load_config
 from train.data import Row, collate, load_rows, make_batches, split_rows
 from train.losses import eagle_loss, eagle_predict, head_metrics, medusa_labels, medusa_loss
 
 EVAL_TOPK = 5
+RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
+TREE_BUDGET = 16  # nodes of the tree shape saved with Medusa heads (CPU default, see README)
 
 
 def load_target(cfg: TrainConfig):
@@ -92,6 +95,7 @@ class Trainer:
         self.lm_head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()
         self._epoch = 0
+        self.rank_accuracy: list[list[float]] = []
         self._batches = make_batches(self.train_rows, cfg.data.batch_tokens, cfg.seed)
         self.batches_per_epoch = len(self._batches)  # the grouping is fixed, only its order changes per epoch
 
@@ -146,6 +150,7 @@ class Trainer:
         K = self.cfg.heads.num_heads
         top1: list[list[torch.Tensor]] = [[] for _ in range(K)]
         top5: list[list[torch.Tensor]] = [[] for _ in range(K)]
+        ranks: list[list[torch.Tensor]] = [[] for _ in range(K)]
         for start in range(0, len(self.eval_rows), 8):
             batch = collate(self.eval_rows[start : start + 8], self.pad_id)
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
@@ -158,12 +163,14 @@ class Trainer:
             valid = torch.stack([medusa_labels(ids, mask, k)[1][:, :n] for k in range(1, K + 1)]).all(0)
             for k, logits in enumerate(self.head_logits_for_eval(heads, hidden, ids), 1):
                 labels = medusa_labels(ids, mask, k)[0][:, :n]
-                guess = logits[:, :n].topk(EVAL_TOPK, dim=-1).indices  # (B, n, 5)
-                top1[k - 1].append((guess[..., 0] == labels)[valid])
-                top5[k - 1].append((guess == labels[..., None]).any(-1)[valid])
+                hits = logits[:, :n].topk(RANKS, dim=-1).indices == labels[..., None]  # (B, n, RANKS)
+                top1[k - 1].append(hits[..., 0][valid])
+                top5[k - 1].append(hits[..., :EVAL_TOPK].any(-1)[valid])
+                ranks[k - 1].append(hits[valid])
         heads.train()
         if not top1[0]:
             return {}
+        self.rank_accuracy = [torch.cat(x).float().mean(0).tolist() for x in ranks]  # [k][i]
         return head_metrics([torch.cat(x) for x in top1], [torch.cat(x) for x in top5])
 
     def head_logits_for_eval(self, heads, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -267,7 +274,10 @@ class Trainer:
                 "eval_rows": len(self.eval_rows),
                 "steps": cfg.optim.max_steps,
                 "metrics": metrics,
+                "rank_accuracy": self.rank_accuracy,
             }
+            if cfg.heads.kind == "medusa" and self.rank_accuracy:
+                extra["tree"] = choose_tree_shape(self.rank_accuracy, TREE_BUDGET)
             fp = target_fingerprint(self.model, self.tokenizer, name=cfg.target.model)
             save_heads(out / "heads", acc.unwrap_model(self.heads), cfg.heads.kind, self.options, fp, extra)
         return metrics

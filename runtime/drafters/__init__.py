@@ -28,12 +28,31 @@ class Drafter:
         """The target accepted `path` of `tree` (its features `hidden`, (n+1, H)) and chose `next_token`."""
 
 
-def make_drafter(name: str, **options: int) -> Drafter:
-    """Build a drafter by its CLI name."""
+def make_drafter(
+    name: str, model=None, tokenizer=None, heads: str | None = None, tree_budget: int | None = None, **options: int
+) -> Drafter:
+    """Build a drafter by its CLI name; trained drafters load `heads` (a checkpoint directory) onto `model`."""
     if name == "none":
         return Drafter()
     if name == "lookup":
         from runtime.drafters.lookup import LookupDrafter
 
         return LookupDrafter(**options)
-    raise ValueError(f"unknown drafter '{name}': choose none or lookup")
+    if name == "medusa":
+        from heads.checkpoint import load_heads
+        from heads.medusa import choose_tree_shape
+        from runtime.drafters.medusa import MedusaDrafter
+
+        if heads is None or model is None:
+            raise ValueError("the medusa drafter needs trained heads (--heads DIR)")
+        module, config = load_heads(heads, model, tokenizer)
+        if config["kind"] != "medusa":
+            raise ValueError(f"{heads} holds {config['kind']} heads, not medusa heads")
+        if tree_budget is not None:
+            if tree_budget < 1:
+                raise ValueError(f"tree budget must be >= 1, got {tree_budget}")
+            shape = choose_tree_shape(config["rank_accuracy"], tree_budget)
+        else:
+            shape = [tuple(path) for path in config["tree"]]
+        return MedusaDrafter(module, model.get_output_embeddings(), shape)
+    raise ValueError(f"unknown drafter '{name}': choose none, lookup or medusa")

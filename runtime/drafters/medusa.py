@@ -1,0 +1,58 @@
+"""Medusa drafter: K heads read the target's last verified feature; a static tree of their top-k guesses.
+
+The feature is the target's final hidden state at the position just before the root (the last
+accepted token); there head k predicts the token k places below the root. The tree's shape, a list
+of rank paths such as (0,), (1,), (0, 0), is chosen from the heads' measured per-rank accuracies
+(`heads.medusa.choose_tree_shape`). Every node is a deterministic top-k guess: a point mass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heads.medusa import MedusaHeads, choose_tree_shape
+from runtime.drafters import Drafter
+from runtime.tree import DraftTree
+
+
+class MedusaDrafter(Drafter):
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, shape: list[tuple[int, ...]]) -> None:
+        if not shape:
+            raise ValueError("empty Medusa tree shape")
+        depth = max(map(len, shape))
+        if depth > heads.num_heads:
+            raise ValueError(f"tree shape is {depth} deep but there are only {heads.num_heads} heads")
+        index = {path: i for i, path in enumerate(shape)}
+        bad = [p for i, p in enumerate(shape) if len(p) > 1 and index.get(p[:-1], len(shape)) > i]
+        if bad:
+            raise ValueError(f"tree shape must list every parent before its children (bad: {bad[:3]})")
+        self.heads, self.lm_head, self.shape = heads, lm_head, shape
+        self.depth = depth
+        self.ranks = max(p[-1] for p in shape) + 1
+        self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in shape]
+        self._feature: torch.Tensor | None = None  # (H,) target feature just before the root
+
+    @classmethod
+    def from_accuracies(cls, heads: MedusaHeads, lm_head: nn.Module, rank_accuracy, budget: int) -> MedusaDrafter:
+        return cls(heads, lm_head, choose_tree_shape(rank_accuracy, budget))
+
+    def start(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
+        self._feature = prompt_hidden[-1] if prompt_hidden is not None and len(prompt_hidden) else None
+
+    @torch.inference_mode()
+    def propose(self, context: list[int]) -> DraftTree:
+        if self._feature is None:
+            return DraftTree()
+        feats = self.heads.features(self._feature[None])[: self.depth, 0]  # (D, H)
+        top = (
+            torch.stack([self.heads.head_logits(k + 1, feats[k], self.lm_head) for k in range(self.depth)])
+            .topk(self.ranks, dim=-1)
+            .indices.tolist()
+        )  # (D, R)
+        return DraftTree([top[len(p) - 1][p[-1]] for p in self.shape], list(self.parents))
+
+    def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        self._feature = hidden[path[-1] + 1] if path else hidden[0]
