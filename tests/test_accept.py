@@ -49,17 +49,17 @@ def q_draft(prefix):
     return torch.softmax(0.6 * world_logits(prefix, 1) + world_logits(prefix, 0), -1)  # related to p, not equal
 
 
-def node_prefix(tokens, node):
+def node_prefix(tokens, node, parents=PARENTS):
     path = []
     while node >= 0:
         path.append(tokens[node])
-        node = PARENTS[node]
+        node = parents[node]
     return tuple(path[::-1])
 
 
-def target_rows(tokens):
+def target_rows(tokens, parents=PARENTS):
     """(n+1, V) float64 target logits at the root and at each node."""
-    rows = [world_logits((), 0)] + [world_logits(node_prefix(tokens, i), 0) for i in range(len(tokens))]
+    rows = [world_logits((), 0)] + [world_logits(node_prefix(tokens, i, parents), 0) for i in range(len(tokens))]
     return torch.stack(rows)
 
 
@@ -108,28 +108,28 @@ def enumerate_outcomes(run) -> dict:
     return outcomes
 
 
-def extend_to_length(outcomes: dict, params) -> torch.Tensor:
-    """Joint over V^LENGTH: each round outcome continued with the target's conditionals."""
-    joint = torch.zeros((V,) * LENGTH, dtype=torch.float64)
+def extend_to_length(outcomes: dict, params, length=LENGTH) -> torch.Tensor:
+    """Joint over V^length: each round outcome continued with the target's conditionals."""
+    joint = torch.zeros((V,) * length, dtype=torch.float64)
     for seq, prob in outcomes.items():
-        for tail in itertools.product(range(V), repeat=LENGTH - len(seq)):
+        for tail in itertools.product(range(V), repeat=length - len(seq)):
             full = seq + tail
             pr = prob
-            for t in range(len(seq), LENGTH):
+            for t in range(len(seq), length):
                 pr *= float(p_target(full[:t], params)[full[t]])
             joint[full] += pr
     return joint
 
 
-def target_joint(params) -> torch.Tensor:
-    joint = torch.zeros((V,) * LENGTH, dtype=torch.float64)
-    for seq in itertools.product(range(V), repeat=LENGTH):
-        joint[seq] = float(torch.prod(torch.stack([p_target(seq[:t], params)[seq[t]] for t in range(LENGTH)])))
+def target_joint(params, length=LENGTH) -> torch.Tensor:
+    joint = torch.zeros((V,) * length, dtype=torch.float64)
+    for seq in itertools.product(range(V), repeat=length):
+        joint[seq] = float(torch.prod(torch.stack([p_target(seq[:t], params)[seq[t]] for t in range(length)])))
     return joint
 
 
 def round_outcome(tree, params, rng):
-    acc = accept_path(tree, target_rows(tree.tokens), params, rng)
+    acc = accept_path(tree, target_rows(tree.tokens, tree.parents), params, rng)
     return (*tuple(tree.tokens[i] for i in acc.path), acc.next_token)
 
 
@@ -228,3 +228,22 @@ def test_chi_square_sampled_rounds():
     two = counts[:, :V]
     two_probs = torch.stack([p_target((a,), params) * two[a].sum() for a in range(V)]) / two.sum()
     assert chi_square_pvalue(two, two_probs) > 1e-3
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["T1", "T0.7-k6-p0.9"])
+def test_exact_on_a_medusa_shaped_tree(params):
+    """The tree the Medusa drafter builds: shape chosen from per-rank accuracies (3 deep, 7 nodes),
+    node (i_1, ..., i_d) holding the i_d-th guess of head d whatever its parent, as Medusa heads do."""
+    from heads.medusa import choose_tree_shape
+
+    shape = choose_tree_shape([[0.6, 0.3, 0.1], [0.5, 0.3], [0.5, 0.2]], budget=7)
+    assert max(map(len, shape)) == 3 and len({p[:1] for p in shape}) >= 2  # siblings, depth 3
+    index = {path: i for i, path in enumerate(shape)}
+    parents = [index[p[:-1]] if len(p) > 1 else -1 for p in shape]
+    guesses = [world_logits((depth,), 2).argsort(descending=True).tolist() for depth in range(3)]
+    tree = DraftTree([guesses[len(p) - 1][p[-1]] for p in shape], parents)
+    outcomes = enumerate_outcomes(lambda rng: round_outcome(tree, params, rng))
+    assert abs(sum(outcomes.values()) - 1) < 1e-12
+    if params.top_p == 1:
+        assert max(len(seq) for seq in outcomes) == 4  # the whole depth-3 path can be accepted
+    assert (extend_to_length(outcomes, params, 4) - target_joint(params, 4)).abs().max() < 1e-9
