@@ -37,9 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", help="JSONL rows with 'turns' (the first turn is used) or 'prompt'")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa"])
-    g.add_argument("--heads", default=None, help="trained heads directory (medusa)")
-    g.add_argument("--tree-budget", type=int, default=None, help="medusa: nodes per tree (default: saved shape)")
+    g.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa", "eagle"])
+    g.add_argument("--heads", default=None, help="trained heads directory (medusa, eagle)")
+    g.add_argument("--tree-budget", type=int, default=None, help="nodes per tree (medusa default: saved shape)")
+    g.add_argument("--tree-depth", type=int, default=None, help="eagle: drafting depth")
+    g.add_argument("--tree-top-k", type=int, default=None, help="eagle: nodes expanded and children per node")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -128,7 +130,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.engine import Engine
     from runtime.generate import GenerationStats
 
-    engine = Engine.load(args.model, args.dtype, args.drafter, args.device, args.heads, args.tree_budget)
+    tree = {"tree_budget": args.tree_budget, "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k}
+    engine = Engine.load(args.model, args.dtype, args.drafter, args.device, args.heads, **tree)
     for prompt in prompts:
         prompt_ids = engine.encode(prompt.text, chat=not args.raw)
         options = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)

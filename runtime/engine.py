@@ -45,10 +45,11 @@ class Engine:
         drafter: str = "none",
         device: str = "cpu",
         heads: str | None = None,
-        tree_budget: int | None = None,
+        **tree: int | None,
     ) -> Engine:
+        """`tree`: tree_budget, tree_depth, tree_top_k for the trained drafters (None = their default)."""
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
-        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, tree_budget))
+        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, **tree))
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of `prompt`, as one user turn under the model's chat template unless `chat` is False."""

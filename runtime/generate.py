@@ -97,6 +97,7 @@ def stream(
         target.commit(len(tree) + 1, accepted.path)
         t2 = time.perf_counter()
         drafter.observe(tree, accepted.path, verified.hidden, accepted.next_token)
+        t3 = time.perf_counter()
 
         new = [tree.tokens[i] for i in accepted.path] + [accepted.next_token]
         new = new[: max_new_tokens - stats.new_tokens]
@@ -107,7 +108,7 @@ def stream(
 
         stats.target_passes += 1
         stats.new_tokens += len(new)
-        stats.draft_s += t1 - t0
+        stats.draft_s += (t1 - t0) + (t3 - t2)  # proposing, and updating the drafter's state
         stats.verify_s += t2 - t1
         if len(stats.accepted_per_depth) < drafted:
             stats.accepted_per_depth.extend([0] * (drafted - len(stats.accepted_per_depth)))

@@ -29,7 +29,14 @@ class Drafter:
 
 
 def make_drafter(
-    name: str, model=None, tokenizer=None, heads: str | None = None, tree_budget: int | None = None, **options: int
+    name: str,
+    model=None,
+    tokenizer=None,
+    heads: str | None = None,
+    tree_budget: int | None = None,
+    tree_depth: int | None = None,
+    tree_top_k: int | None = None,
+    **options: int,
 ) -> Drafter:
     """Build a drafter by its CLI name; trained drafters load `heads` (a checkpoint directory) onto `model`."""
     if name == "none":
@@ -38,21 +45,28 @@ def make_drafter(
         from runtime.drafters.lookup import LookupDrafter
 
         return LookupDrafter(**options)
-    if name == "medusa":
-        from heads.checkpoint import load_heads
-        from heads.medusa import choose_tree_shape
-        from runtime.drafters.medusa import MedusaDrafter
+    if name not in ("medusa", "eagle"):
+        raise ValueError(f"unknown drafter '{name}': choose none, lookup, medusa or eagle")
+    from heads.checkpoint import load_heads
 
-        if heads is None or model is None:
-            raise ValueError("the medusa drafter needs trained heads (--heads DIR)")
-        module, config = load_heads(heads, model, tokenizer)
-        if config["kind"] != "medusa":
-            raise ValueError(f"{heads} holds {config['kind']} heads, not medusa heads")
-        if tree_budget is not None:
-            if tree_budget < 1:
-                raise ValueError(f"tree budget must be >= 1, got {tree_budget}")
-            shape = choose_tree_shape(config["rank_accuracy"], tree_budget)
-        else:
-            shape = [tuple(path) for path in config["tree"]]
-        return MedusaDrafter(module, model.get_output_embeddings(), shape)
-    raise ValueError(f"unknown drafter '{name}': choose none, lookup or medusa")
+    if heads is None or model is None:
+        raise ValueError(f"the {name} drafter needs trained heads (--heads DIR)")
+    module, config = load_heads(heads, model, tokenizer)
+    if config["kind"] != name:
+        raise ValueError(f"{heads} holds {config['kind']} heads, not {name} heads")
+    if name == "eagle":
+        from runtime.drafters.eagle import EagleDrafter
+
+        tree = {"depth": tree_depth, "top_k": tree_top_k, "budget": tree_budget}
+        tree = {k: v for k, v in tree.items() if v is not None}
+        return EagleDrafter(module, model.get_input_embeddings(), model.get_output_embeddings(), **tree)
+    from heads.medusa import choose_tree_shape
+    from runtime.drafters.medusa import MedusaDrafter
+
+    if tree_budget is not None:
+        if tree_budget < 1:
+            raise ValueError(f"tree budget must be >= 1, got {tree_budget}")
+        shape = choose_tree_shape(config["rank_accuracy"], tree_budget)
+    else:
+        shape = [tuple(path) for path in config["tree"]]
+    return MedusaDrafter(module, model.get_output_embeddings(), shape)
