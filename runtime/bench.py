@@ -5,6 +5,8 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   hf         `model.generate` (greedy or sampling)
   hf-lookup  `model.generate(prompt_lookup_num_tokens=10)`
   lookup     our loop with the prompt-lookup drafter
+  medusa     our loop with trained Medusa heads (--medusa-heads DIR)
+  eagle      our loop with a trained EAGLE head (--eagle-heads DIR)
 Output: every per-prompt record as JSON, and a Markdown table per category and overall.
 """
 
@@ -13,20 +15,19 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from runtime.drafters import make_drafter
+from runtime.drafters import Drafter, make_drafter
 from runtime.engine import Engine
 from runtime.generate import GenerationStats
 from runtime.prompts import load_prompts
 from runtime.sampling import SamplingParams
 
-METHODS = ("plain", "hf", "hf-lookup", "lookup")
+METHODS = ("plain", "hf", "hf-lookup", "lookup", "medusa", "eagle")
 DEFAULT_PROMPTS = "../shared/data/eval/spec_bench.jsonl"
 
 
@@ -45,8 +46,8 @@ class Record:
     token_ids: list[int]
 
 
-def _run_ours(engine: Engine, drafter: str, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
-    engine.drafter = make_drafter(drafter)
+def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
+    engine.drafter = drafter
     stats = GenerationStats()
     t0 = time.perf_counter()
     tokens = [t for chunk in engine.stream(ids, sampling, max_new, seed, stats=stats) for t in chunk.tokens]
@@ -73,13 +74,11 @@ def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingPara
     return out[0, len(ids) :].tolist(), seconds, None, None, None
 
 
-def run_method(engine: Engine, method: str, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
+def run_method(engine: Engine, method: str, drafters: dict[str, Drafter], ids: list[int], sampling, max_new, seed):
     """(token_ids, seconds, target_passes, draft_ms, verify_ms) of one generation."""
-    if method == "plain":
-        return _run_ours(engine, "none", ids, sampling, max_new, seed)
     if method in ("hf", "hf-lookup"):
         return _run_hf(engine, method == "hf-lookup", ids, sampling, max_new, seed)
-    return _run_ours(engine, method, ids, sampling, max_new, seed)
+    return _run_ours(engine, drafters[method], ids, sampling, max_new, seed)
 
 
 def run_bench(
@@ -91,15 +90,23 @@ def run_bench(
     limit_per_category: int | None = None,
     categories: set[str] | None = None,
     seed: int = 0,
-    log: Callable[[str], None] = print,
+    heads: dict[str, str] | None = None,
 ) -> list[Record]:
+    """Every method on every prompt and temperature; `heads` maps medusa/eagle to checkpoint directories."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    heads = heads or {}
+    model, tokenizer = engine.target.model, engine.tokenizer
+    drafters = {
+        m: make_drafter("none" if m == "plain" else m, model, tokenizer, heads.get(m))
+        for m in methods
+        if m not in ("hf", "hf-lookup")
+    }
     prompts = load_prompts(prompts_file, categories, limit_per_category)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection
-        run_method(engine, method, encoded[0], SamplingParams(), 16, seed)
+        run_method(engine, method, drafters, encoded[0], SamplingParams(), 16, seed)
     records: list[Record] = []
     jobs = [(t, i) for t in temperatures for i in range(len(prompts))]
     for temperature, i in tqdm(jobs, desc="bench", unit="prompt", dynamic_ncols=True):
@@ -107,7 +114,7 @@ def run_bench(
         plain_tokens = None
         for method in methods:
             tokens, seconds, passes, draft_ms, verify_ms = run_method(
-                engine, method, encoded[i], sampling, max_new_tokens, seed
+                engine, method, drafters, encoded[i], sampling, max_new_tokens, seed
             )
             if method == "plain":
                 plain_tokens = tokens

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
     _add_model_args(b, "bfloat16")
     b.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
-    b.add_argument("--methods", default="plain,hf,lookup", help="comma list of plain,hf,hf-lookup,lookup")
+    b.add_argument("--methods", default="plain,hf,lookup", help="comma list of plain,hf,hf-lookup,lookup,medusa,eagle")
+    b.add_argument("--medusa-heads", default=None, help="trained Medusa heads directory (method medusa)")
+    b.add_argument("--eagle-heads", default=None, help="trained EAGLE head directory (method eagle)")
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
     b.add_argument("--categories", default=None, help="comma list of categories (default: all)")
     b.add_argument("--limit-per-category", type=int, default=None)
@@ -197,9 +199,11 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     engine = Engine.load(args.model, args.dtype, "none", args.device)
+    heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
     records = bench.run_bench(
-        engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed
-    )
+        engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed,
+        heads,
+    )  # fmt: skip
     table = bench.summarize(records)
     machine = (
         f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
