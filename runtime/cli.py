@@ -157,13 +157,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from runtime.models import load_model
-    from train.distill import distill, read_prompts
+    from train.distill import distill
 
     _check_lengths(args)
     SamplingParams(args.temperature)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--batch-size and --limit must be >= 1")
-    prompts = read_prompts(args.prompts, args.permissive_only, args.limit)
+    prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit, skip_malformed=True)
     model, tokenizer = load_model(args.model, args.dtype, args.device)
     stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                     seed=args.seed)  # fmt: skip

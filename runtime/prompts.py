@@ -1,8 +1,9 @@
-"""Read JSONL prompt files: rows `{"id", "category", "turns": [user turns ...]}` (Spec-Bench format)."""
+"""Read JSONL prompt files: rows `{"id", "category", "turns": [user turns ...]}` (Spec-Bench and training format)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,13 +15,27 @@ class Prompt:
     text: str  # the first user turn
 
 
-def load_prompts(path: str | Path, categories: set[str] | None = None, limit: int | None = None) -> list[Prompt]:
-    """First turn of every row (optionally of some categories only, at most `limit` per category)."""
+def load_prompts(
+    path: str | Path,
+    categories: set[str] | None = None,
+    limit_per_category: int | None = None,
+    *,
+    permissive_only: bool = False,
+    limit: int | None = None,
+    skip_malformed: bool = False,
+) -> list[Prompt]:
+    """The first turn of each row, optionally filtered: some categories only, at most `limit_per_category`
+    each, rows marked `permissive: true` only, the first `limit` in all.
+
+    A malformed line is an error naming it, or with `skip_malformed` skipped with one warning that
+    counts them. Ids are made unique (`id#n`) when the file repeats one.
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompts file not found: {path}")
     prompts: list[Prompt] = []
     per_category: dict[str, int] = {}
+    bad = 0
     with path.open() as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -28,17 +43,28 @@ def load_prompts(path: str | Path, categories: set[str] | None = None, limit: in
             try:
                 row = json.loads(line)
                 text = row["turns"][0] if "turns" in row else row["prompt"]
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-                raise ValueError(f"{path}:{line_no}: not a prompt row with 'turns' or 'prompt' ({e})") from e
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{line_no}: empty prompt")
-            category = str(row.get("category", ""))
-            if categories and category not in categories:
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError("empty prompt")
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
+                if not skip_malformed:
+                    raise ValueError(
+                        f"{path}:{line_no}: not a prompt row with a non-empty 'turns' or 'prompt' ({e})"
+                    ) from e
+                bad += 1
                 continue
-            if limit is not None and per_category.get(category, 0) >= limit:
+            category = str(row.get("category", ""))
+            if (categories and category not in categories) or (permissive_only and row.get("permissive") is not True):
+                continue
+            if limit_per_category is not None and per_category.get(category, 0) >= limit_per_category:
                 continue
             per_category[category] = per_category.get(category, 0) + 1
             prompts.append(Prompt(str(row.get("id", line_no)), category, text))
+            if limit is not None and len(prompts) >= limit:
+                break
+    if bad:
+        print(f"headstart: warning: skipped {bad} malformed line(s) in {path}", file=sys.stderr)
     if not prompts:
         raise ValueError(f"{path}: no prompts" + (f" in categories {sorted(categories)}" if categories else ""))
+    if len({p.id for p in prompts}) != len(prompts):
+        prompts = [Prompt(f"{p.id}#{i}", p.category, p.text) for i, p in enumerate(prompts)]
     return prompts

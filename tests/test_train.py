@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from heads.checkpoint import load_heads
+from runtime.prompts import load_prompts
 from tests.conftest import WORDS
 from train import heads as train_heads
 from train.config import ConfigError, load_config
 from train.data import Row, collate, make_batches
-from train.distill import distill, read_prompts
+from train.distill import distill
 from train.losses import head_metrics, medusa_labels
 
 
@@ -145,7 +146,7 @@ def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys)
     lines = [json.dumps(r) for r in rows]
     lines.insert(5, "{broken")
     prompts_file.write_text("\n".join(lines) + "\n")
-    prompts = read_prompts(prompts_file, permissive_only=True)
+    prompts = load_prompts(prompts_file, permissive_only=True, skip_malformed=True)
     assert "skipped 1 malformed line" in capsys.readouterr().err
     assert len(prompts) == 9
     model, tok = load_model(str(tiny_model_dir))

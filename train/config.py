@@ -139,3 +139,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def config_to_dict(cfg) -> dict:
     """Plain JSON-able dict of a (nested) config, tuples as lists: what is saved and logged."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def ensure_writable_dir(path: str | Path) -> Path:
+    """Create `path` if needed and check that files can be written there; a ConfigError says why not."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output directory {path} is not writable ({e.strerror})") from e
+    return path

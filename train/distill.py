@@ -11,52 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-
-@dataclass
-class DistillPrompt:
-    id: str
-    category: str
-    text: str
-
-
-def read_prompts(path: str | Path, permissive_only: bool = False, limit: int | None = None) -> list[DistillPrompt]:
-    """First user turn of each row; malformed lines are skipped with one warning that counts them."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"prompts file not found: {path}")
-    prompts, bad = [], 0
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = row["turns"][0]
-                if not isinstance(text, str) or not text.strip():
-                    raise ValueError("empty turn")
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
-                bad += 1
-                continue
-            if permissive_only and row.get("permissive") is not True:
-                continue
-            prompts.append(DistillPrompt(str(row.get("id", line_no)), str(row.get("category", "")), text))
-            if limit is not None and len(prompts) >= limit:
-                break
-    if bad:
-        print(f"headstart: warning: skipped {bad} malformed line(s) in {path}", file=sys.stderr)
-    ids = [p.id for p in prompts]
-    if len(set(ids)) != len(ids):  # resuming is keyed by id: make ids unique and stable
-        prompts = [DistillPrompt(f"{p.id}#{i}", p.category, p.text) for i, p in enumerate(prompts)]
-    return prompts
+from runtime.prompts import Prompt
+from train.config import ensure_writable_dir
 
 
 def _repair_and_read_done(out: Path) -> set[str]:
@@ -72,7 +35,7 @@ def _repair_and_read_done(out: Path) -> set[str]:
     return done
 
 
-def _batches(prompts: list[DistillPrompt], size: int) -> Iterator[list[DistillPrompt]]:
+def _batches(prompts: list[Prompt], size: int) -> Iterator[list[Prompt]]:
     for i in range(0, len(prompts), size):
         yield prompts[i : i + size]
 
@@ -81,7 +44,7 @@ def _batches(prompts: list[DistillPrompt], size: int) -> Iterator[list[DistillPr
 def distill(
     model,
     tokenizer,
-    prompts: list[DistillPrompt],
+    prompts: list[Prompt],
     out: str | Path,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
@@ -90,13 +53,7 @@ def distill(
     seed: int = 0,
 ) -> dict:
     """Answer every prompt not answered yet; returns throughput figures."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".write-test").touch()
-        (out / ".write-test").unlink()
-    except OSError as e:
-        raise ValueError(f"output directory {out} is not writable ({e.strerror})") from e
+    out = ensure_writable_dir(out)
     done = _repair_and_read_done(out)
     todo = [p for p in prompts if p.id not in done]
     # Similar lengths together: less left padding per batch. The order is fixed by the prompt list.

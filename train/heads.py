@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch train/hea
 
 from heads.checkpoint import build_heads, save_heads, target_fingerprint
 from heads.medusa import choose_tree_shape
-from train.config import ConfigError, TrainConfig, config_to_dict, load_config
+from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from train.data import Row, collate, load_rows, make_batches, split_rows
 from train.losses import eagle_loss, eagle_predict, head_metrics, medusa_labels, medusa_loss
 
@@ -311,9 +311,12 @@ def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
     if not cfg.data.distill_prompts or any(Path(cfg.data.path).glob("shard-*.jsonl")):
         return
     if accelerator.is_main_process:
-        from train.distill import distill, read_prompts
+        from runtime.prompts import load_prompts
+        from train.distill import distill
 
-        prompts = read_prompts(cfg.data.distill_prompts, permissive_only=True, limit=cfg.data.distill_limit)
+        prompts = load_prompts(
+            cfg.data.distill_prompts, permissive_only=True, limit=cfg.data.distill_limit, skip_malformed=True
+        )
         distill(model, tokenizer, prompts, cfg.data.path, max_new_tokens=cfg.data.distill_max_new_tokens)
     accelerator.wait_for_everyone()
 
@@ -323,13 +326,7 @@ def run_one(cfg: TrainConfig) -> dict[str, float]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    out = Path(cfg.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".write-test").touch()
-        (out / ".write-test").unlink()
-    except OSError as e:
-        raise ConfigError(f"output_dir {out} is not writable ({e.strerror})") from e
+    out = ensure_writable_dir(cfg.output_dir)
     log_with = None if cfg.report_to == "none" else cfg.report_to
     if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
         os.environ["WANDB_MODE"] = "offline"
