@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from heads.checkpoint import build_heads
 from runtime.drafters import make_drafter
 from runtime.drafters.eagle import EagleDrafter, rerank
-from runtime.generate import GenerationStats, stream
-from runtime.sampling import SamplingParams, target_probs
 from runtime.target import Target
 from tests.conftest import tiny_llama
-from tests.stats import chi_square_pvalue
+from tests.exactness import assert_first_three_follow_target, assert_greedy_identity, sampling_model, train_tiny_heads
 
 
 def test_rerank_keeps_the_best_paths_by_hand():
@@ -73,12 +69,7 @@ def test_drafted_features_equal_a_fresh_head_forward():
 
 @pytest.fixture(scope="module")
 def trained_eagle_dir(tmp_path_factory, tiny_model_dir):
-    from tests.test_train import make_cfg
-    from train import heads as train_heads
-
-    tmp = tmp_path_factory.mktemp("eagle-train")
-    train_heads.run(make_cfg(tmp, tiny_model_dir, "eagle", **{"optim.max_steps": 10}))
-    return tmp / "out" / "heads"
+    return train_tiny_heads(tmp_path_factory.mktemp("eagle-train"), tiny_model_dir, "eagle")
 
 
 def test_greedy_identity_with_trained_eagle(tiny_model_dir, trained_eagle_dir):
@@ -88,39 +79,13 @@ def test_greedy_identity_with_trained_eagle(tiny_model_dir, trained_eagle_dir):
     model.generation_config.eos_token_id = None
     for tree in ({}, {"tree_depth": 2, "tree_top_k": 1, "tree_budget": 2}, {"tree_depth": 6, "tree_budget": 40}):
         drafter = make_drafter("eagle", model, tokenizer, str(trained_eagle_dir), **tree)
-        target = Target(model)
-        accepted = 0
-        for prompt in ([3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]):
-            stats = GenerationStats()
-            ours = [t for c in stream(target, prompt, drafter, max_new_tokens=40, stats=stats) for t in c.tokens]
-            hf = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, pad_token_id=0)
-            assert ours == hf[0, len(prompt) :].tolist()
-            accepted += sum(stats.accepted_per_depth)
-        assert accepted > 0
+        assert assert_greedy_identity(model, drafter, [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]) > 0
 
 
 def test_sampling_first_three_tokens_match_plain_sampling():
     """First 3 tokens with an EAGLE drafter (random head, depth 3, top-k 3, budget 10) at T=0.8,
     top-p 0.9, against their exact distribution. Fails when the chi-square p-value is below 1e-3:
     a correct implementation fails with probability 0.1 % (fixed seeds make it reproducible)."""
-    vocab = 8
-    model = tiny_llama(vocab_size=vocab, init_std=0.3, seed=3)
-    params = SamplingParams(temperature=0.8, top_p=0.9)
-    prompt = [1, 2, 3, 4, 5]
-    seqs = torch.tensor([prompt + list(pair) for pair in itertools.product(range(vocab), repeat=2)])
-    with torch.no_grad():
-        probs = target_probs(model(input_ids=seqs).logits[:, -3:], params)
-    joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    for i, (a, b) in enumerate(itertools.product(range(vocab), repeat=2)):
-        joint[a, b] = (probs[i, 0, a] * probs[i, 1, b] * probs[i, 2]).double()
+    model = sampling_model()
     drafter = EagleDrafter(random_eagle(model), model.model.embed_tokens, model.lm_head, depth=3, top_k=3, budget=10)
-    target = Target(model)
-    counts = torch.zeros(vocab, vocab, vocab)
-    drafted = 0
-    for seed in range(3000):
-        stats = GenerationStats()
-        a, b, c = [t for ch in stream(target, prompt, drafter, params, 3, seed=seed, stats=stats) for t in ch.tokens]
-        counts[a, b, c] += 1
-        drafted += sum(stats.accepted_per_depth)
-    assert drafted > 300
-    assert chi_square_pvalue(counts, joint) > 1e-3
+    assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)

@@ -11,11 +11,8 @@ from heads.checkpoint import build_heads
 from heads.medusa import choose_tree_shape, expected_acceptance_length
 from runtime.drafters import make_drafter
 from runtime.drafters.medusa import MedusaDrafter
-from runtime.generate import GenerationStats, stream
-from runtime.sampling import SamplingParams, target_probs
-from runtime.target import Target
 from tests.conftest import tiny_llama
-from tests.stats import chi_square_pvalue
+from tests.exactness import assert_first_three_follow_target, assert_greedy_identity, sampling_model, train_tiny_heads
 
 # rank_accuracy[d][i]: P(head d+1's i-th ranked guess is right)
 ACC = [[0.6, 0.2], [0.5, 0.1]]
@@ -65,12 +62,7 @@ def random_medusa(model, num_heads=3, seed=0):
 
 @pytest.fixture(scope="module")
 def trained_heads_dir(tmp_path_factory, tiny_model_dir):
-    from tests.test_train import make_cfg
-    from train import heads as train_heads
-
-    tmp = tmp_path_factory.mktemp("medusa-train")
-    train_heads.run(make_cfg(tmp, tiny_model_dir, "medusa", **{"optim.max_steps": 10}))
-    return tmp / "out" / "heads"
+    return train_tiny_heads(tmp_path_factory.mktemp("medusa-train"), tiny_model_dir, "medusa")
 
 
 def test_greedy_identity_with_trained_heads(tiny_model_dir, trained_heads_dir):
@@ -80,40 +72,14 @@ def test_greedy_identity_with_trained_heads(tiny_model_dir, trained_heads_dir):
     model.generation_config.eos_token_id = None
     for budget in (None, 4, 24):
         drafter = make_drafter("medusa", model, tokenizer, str(trained_heads_dir), budget)
-        target = Target(model)
-        accepted = 0
-        for prompt in ([3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]):
-            stats = GenerationStats()
-            ours = [t for c in stream(target, prompt, drafter, max_new_tokens=40, stats=stats) for t in c.tokens]
-            hf = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, pad_token_id=0)
-            assert ours == hf[0, len(prompt) :].tolist()
-            accepted += sum(stats.accepted_per_depth)
-        assert accepted > 0
+        assert assert_greedy_identity(model, drafter, [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]) > 0
 
 
 def test_sampling_first_three_tokens_match_plain_sampling():
     """First 3 tokens with a Medusa drafter (random heads, 3 deep, budget 12) at T=0.8, top-p 0.9,
     against their exact distribution. Fails when the chi-square p-value is below 1e-3: a correct
     implementation fails with probability 0.1 % (fixed seeds make the outcome reproducible)."""
-    vocab = 8
-    model = tiny_llama(vocab_size=vocab, init_std=0.3, seed=3)
-    params = SamplingParams(temperature=0.8, top_p=0.9)
-    prompt = [1, 2, 3, 4, 5]
-    seqs = torch.tensor([prompt + list(pair) for pair in itertools.product(range(vocab), repeat=2)])
-    with torch.no_grad():
-        probs = target_probs(model(input_ids=seqs).logits[:, -3:], params)
-    joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    for i, (a, b) in enumerate(itertools.product(range(vocab), repeat=2)):
-        joint[a, b] = (probs[i, 0, a] * probs[i, 1, b] * probs[i, 2]).double()
+    model = sampling_model()
     acc = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
     drafter = MedusaDrafter.from_accuracies(random_medusa(model), model.lm_head, acc, budget=12)
-    target = Target(model)
-    counts = torch.zeros(vocab, vocab, vocab)
-    drafted = 0
-    for seed in range(3000):
-        stats = GenerationStats()
-        a, b, c = [t for ch in stream(target, prompt, drafter, params, 3, seed=seed, stats=stats) for t in ch.tokens]
-        counts[a, b, c] += 1
-        drafted += sum(stats.accepted_per_depth)
-    assert drafted > 300
-    assert chi_square_pvalue(counts, joint) > 1e-3
+    assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
