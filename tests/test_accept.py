@@ -247,3 +247,29 @@ def test_exact_on_a_medusa_shaped_tree(params):
     if params.top_p == 1:
         assert max(len(seq) for seq in outcomes) == 4  # the whole depth-3 path can be accepted
     assert (extend_to_length(outcomes, params, 4) - target_joint(params, 4)).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["T1", "T0.7-k6-p0.9"])
+def test_exact_on_an_eagle_shaped_tree(params):
+    """A tree as the EAGLE drafter builds it: drafted by expanding the best paths depth by depth with
+    the draft's own (parent-dependent) top-k, then reranked by cumulative log-probability to 6 nodes."""
+    from runtime.drafters.eagle import rerank
+
+    tokens, parents, scores = [], [], []
+    frontier = [-1]
+    for _ in range(3):  # depth 3, top-k 2: expand the 2 best frontier nodes, 2 children each
+        new = []
+        for parent in sorted(frontier, key=lambda i: -scores[i] if i >= 0 else 0)[:2]:
+            logq = q_draft(node_prefix(tokens, parent, parents)).log()
+            for tok in logq.argsort(descending=True)[:2].tolist():
+                new.append(len(tokens))
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append((scores[parent] if parent >= 0 else 0.0) + float(logq[tok]))
+        frontier = new
+    tree = rerank(tokens, parents, scores, budget=6)
+    assert max(tree.depths) >= 2 and len(tree) == 6
+    length = max(tree.depths) + 1
+    outcomes = enumerate_outcomes(lambda rng: round_outcome(tree, params, rng))
+    assert abs(sum(outcomes.values()) - 1) < 1e-12
+    assert (extend_to_length(outcomes, params, length) - target_joint(params, length)).abs().max() < 1e-9
