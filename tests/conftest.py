@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# `accelerate launch` through this interpreter: works whether or not the venv's bin/ is on PATH.
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 WORDS = [
     "<unk>",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import ACCELERATE_LAUNCH
 
 pytestmark = pytest.mark.model  # the tiny target uses the embedded SmolLM2 tokenizer
 
@@ -19,11 +20,8 @@ def test_smoke_config_trains_both_kinds(tmp_path):
     prompts = ROOT.parent / "shared" / "data" / "train" / "prompts.jsonl"
     if not prompts.is_file():
         pytest.skip(f"{prompts} not found (it lies in shared/ beside the checkout)")
-    exe = shutil.which("accelerate")
-    if exe is None:
-        pytest.skip("accelerate launcher not on PATH")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    cmd = [exe, "launch", "--num_processes", "1", "train/heads.py", "--config", "configs/smoke.yaml",
+    cmd = [*ACCELERATE_LAUNCH, "--num_processes", "1", "train/heads.py", "--config", "configs/smoke.yaml",
            f"output_dir={tmp_path}", f"data.path={tmp_path / 'data'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

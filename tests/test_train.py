@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from heads.checkpoint import load_heads
 from runtime.prompts import load_prompts
-from tests.conftest import WORDS
+from tests.conftest import ACCELERATE_LAUNCH, WORDS
 from train import heads as train_heads
 from train.config import ConfigError, load_config
 from train.data import Row, collate, make_batches
@@ -215,14 +215,10 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir):
     """`accelerate launch --multi_gpu --num_processes 2` on the CPU (gloo) against 1 process with the
     same global batch (2 accumulated micro-batches): the same loss curve and the same final weights."""
     import os
-    import shutil
     import socket
     import subprocess
     from pathlib import Path
 
-    exe = shutil.which("accelerate")
-    if exe is None:
-        pytest.skip("accelerate launcher not on PATH")
     write_shards(tmp_path / "data", n_rows=48)
     empty = tmp_path / "empty.yaml"
     empty.write_text("# every key comes from the command line\n")
@@ -236,8 +232,16 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     runs = {
-        "two": [exe, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(port), str(script)],
-        "one": [exe, "launch", "--num_processes", "1", str(script), "optim.grad_accum=2"],
+        "two": [
+            *ACCELERATE_LAUNCH,
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(port),
+            str(script),
+        ],
+        "one": [*ACCELERATE_LAUNCH, "--num_processes", "1", str(script), "optim.grad_accum=2"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, cmd in runs.items():
