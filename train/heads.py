@@ -11,6 +11,7 @@ reaches the same weights as an uninterrupted run (same seed, single process).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -237,7 +238,7 @@ class Trainer:
             for micro in range(accum):
                 batch = self.micro_batch((step * accum + micro) * world + rank)
                 tokens += int(batch["attention_mask"].sum())
-                sync = acc.no_sync(self.heads) if micro < accum - 1 else _nullcontext()
+                sync = acc.no_sync(self.heads) if micro < accum - 1 else contextlib.nullcontext()
                 with sync, acc.autocast():
                     loss = self.loss(batch) / accum
                 acc.backward(loss)
@@ -281,14 +282,6 @@ class Trainer:
             fp = target_fingerprint(self.model, self.tokenizer, name=cfg.target.model)
             save_heads(out / "heads", acc.unwrap_model(self.heads), cfg.heads.kind, self.options, fp, extra)
         return metrics
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
