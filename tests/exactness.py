@@ -83,3 +83,28 @@ def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10):
 
     train_heads.run(make_cfg(tmp_path, model_dir, kind, **{"optim.max_steps": steps}))
     return tmp_path / "out" / "heads"
+
+
+def random_heads(kind: str, model, std: float, seed: int = 0, **options):
+    """Heads with random (untrained) weights: exactness must not depend on the heads' quality."""
+    from heads.checkpoint import build_heads
+
+    torch.manual_seed(seed)
+    heads = build_heads(kind, model, **options)
+    for p in heads.parameters():
+        p.data.normal_(0, std)
+    return heads.eval().requires_grad_(False)
+
+
+def assert_identity_with_trained_heads(tmp_path, model_dir, kind: str, trees: list[dict]) -> None:
+    """Heads trained for a few steps on the tiny model in `model_dir`: greedy identity for each tree setting."""
+    from runtime.drafters import make_drafter
+    from runtime.models import load_model
+
+    heads_dir = train_tiny_heads(tmp_path, model_dir, kind)
+    model, tokenizer = load_model(str(model_dir))
+    model.generation_config.eos_token_id = None
+    prompts = [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
+    for tree in trees:
+        drafter = make_drafter(kind, model, tokenizer, str(heads_dir), **tree)
+        assert assert_greedy_identity(model, drafter, prompts) > 0, f"no draft accepted with {tree}"

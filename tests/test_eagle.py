@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from heads.checkpoint import build_heads
-from runtime.drafters import make_drafter
 from runtime.drafters.eagle import EagleDrafter, rerank
 from runtime.target import Target
 from tests.conftest import tiny_llama
-from tests.exactness import assert_first_three_follow_target, assert_greedy_identity, sampling_model, train_tiny_heads
+from tests.exactness import (
+    assert_first_three_follow_target,
+    assert_identity_with_trained_heads,
+    random_heads,
+    sampling_model,
+)
 
 
 def test_rerank_keeps_the_best_paths_by_hand():
@@ -31,18 +33,10 @@ def test_rerank_keeps_the_best_paths_by_hand():
     assert tree.tokens == [10, 11, 12, 14] and tree.parents == [-1, -1, 0, 1]
 
 
-def random_eagle(model, seed=0):
-    torch.manual_seed(seed)
-    head = build_heads("eagle", model)
-    for p in head.parameters():
-        p.data.normal_(0, 0.1)
-    return head.eval().requires_grad_(False)
-
-
 def test_drafted_features_equal_a_fresh_head_forward():
     """Tree attention inside the head: a drafted node's feature equals the head run on its path alone."""
     model = tiny_llama(vocab_size=64, init_std=0.2)
-    head = random_eagle(model)
+    head = random_heads("eagle", model, 0.1)
     drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, depth=3, top_k=2, budget=50)
     prompt = [5, 9, 3, 17, 22, 8]
     target = Target(model)
@@ -67,19 +61,13 @@ def test_drafted_features_equal_a_fresh_head_forward():
     assert tree.tokens[node] in top
 
 
-@pytest.fixture(scope="module")
-def trained_eagle_dir(tmp_path_factory, tiny_model_dir):
-    return train_tiny_heads(tmp_path_factory.mktemp("eagle-train"), tiny_model_dir, "eagle")
-
-
-def test_greedy_identity_with_trained_eagle(tiny_model_dir, trained_eagle_dir):
-    from runtime.models import load_model
-
-    model, tokenizer = load_model(str(tiny_model_dir))
-    model.generation_config.eos_token_id = None
-    for tree in ({}, {"tree_depth": 2, "tree_top_k": 1, "tree_budget": 2}, {"tree_depth": 6, "tree_budget": 40}):
-        drafter = make_drafter("eagle", model, tokenizer, str(trained_eagle_dir), **tree)
-        assert assert_greedy_identity(model, drafter, [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]) > 0
+def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):
+    assert_identity_with_trained_heads(
+        tmp_path,
+        tiny_model_dir,
+        "eagle",
+        [{}, {"tree_depth": 2, "tree_top_k": 1, "tree_budget": 2}, {"tree_depth": 6, "tree_budget": 40}],
+    )
 
 
 def test_sampling_first_three_tokens_match_plain_sampling():
@@ -87,5 +75,7 @@ def test_sampling_first_three_tokens_match_plain_sampling():
     top-p 0.9, against their exact distribution. Fails when the chi-square p-value is below 1e-3:
     a correct implementation fails with probability 0.1 % (fixed seeds make it reproducible)."""
     model = sampling_model()
-    drafter = EagleDrafter(random_eagle(model), model.model.embed_tokens, model.lm_head, depth=3, top_k=3, budget=10)
+    drafter = EagleDrafter(
+        random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, depth=3, top_k=3, budget=10
+    )
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)

@@ -9,10 +9,14 @@ import torch
 
 from heads.checkpoint import build_heads
 from heads.medusa import choose_tree_shape, expected_acceptance_length
-from runtime.drafters import make_drafter
 from runtime.drafters.medusa import MedusaDrafter
 from tests.conftest import tiny_llama
-from tests.exactness import assert_first_three_follow_target, assert_greedy_identity, sampling_model, train_tiny_heads
+from tests.exactness import (
+    assert_first_three_follow_target,
+    assert_identity_with_trained_heads,
+    random_heads,
+    sampling_model,
+)
 
 # rank_accuracy[d][i]: P(head d+1's i-th ranked guess is right)
 ACC = [[0.6, 0.2], [0.5, 0.1]]
@@ -51,28 +55,10 @@ def test_bad_shapes_are_refused():
         MedusaDrafter(heads, torch.nn.Identity(), [(0,), (0, 0), (0, 0, 0)])
 
 
-def random_medusa(model, num_heads=3, seed=0):
-    """Medusa heads with random (untrained) blocks: exactness must not depend on the heads' quality."""
-    torch.manual_seed(seed)
-    heads = build_heads("medusa", model, num_heads=num_heads)
-    for p in heads.parameters():
-        p.data.normal_(0, 0.3)
-    return heads.eval().requires_grad_(False)
-
-
-@pytest.fixture(scope="module")
-def trained_heads_dir(tmp_path_factory, tiny_model_dir):
-    return train_tiny_heads(tmp_path_factory.mktemp("medusa-train"), tiny_model_dir, "medusa")
-
-
-def test_greedy_identity_with_trained_heads(tiny_model_dir, trained_heads_dir):
-    from runtime.models import load_model
-
-    model, tokenizer = load_model(str(tiny_model_dir))
-    model.generation_config.eos_token_id = None
-    for budget in (None, 4, 24):
-        drafter = make_drafter("medusa", model, tokenizer, str(trained_heads_dir), budget)
-        assert assert_greedy_identity(model, drafter, [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]) > 0
+def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):
+    assert_identity_with_trained_heads(
+        tmp_path, tiny_model_dir, "medusa", [{}, {"tree_budget": 4}, {"tree_budget": 24}]
+    )
 
 
 def test_sampling_first_three_tokens_match_plain_sampling():
@@ -81,5 +67,7 @@ def test_sampling_first_three_tokens_match_plain_sampling():
     implementation fails with probability 0.1 % (fixed seeds make the outcome reproducible)."""
     model = sampling_model()
     acc = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
-    drafter = MedusaDrafter.from_accuracies(random_medusa(model), model.lm_head, acc, budget=12)
+    drafter = MedusaDrafter.from_accuracies(
+        random_heads("medusa", model, 0.3, num_heads=3), model.lm_head, acc, budget=12
+    )
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
