@@ -58,6 +58,11 @@ def check_fingerprint(trained_for: dict, target: dict, where: str) -> None:
         )
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Floating-point tensors to `dtype`; integer ones (the draft vocabulary's ids) stay as they are."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
 def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
     """A fresh head module of `kind` for the target `model`."""
     if kind == "medusa":
@@ -65,7 +70,7 @@ def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
         heads.init_lm_heads(model.get_output_embeddings())
         return heads
     if kind == "eagle":
-        return EagleHead.for_target(model)
+        return EagleHead.for_target(model, **options)
     raise ValueError(f"unknown head kind '{kind}': choose one of {', '.join(KINDS)}")
 
 
@@ -77,7 +82,7 @@ def save_heads(
     directory.mkdir(parents=True, exist_ok=True)
     extra = dict(extra or {})
     dtype = getattr(torch, extra.setdefault("dtype", "bfloat16"))
-    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
+    state = {k: _cast(v.detach(), dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(state, directory / "model.safetensors")
     config = {"kind": kind, "options": options, "target": fingerprint, **extra}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
@@ -94,5 +99,5 @@ def load_heads(directory: str | Path, model: nn.Module, tokenizer=None) -> tuple
     check_fingerprint(config["target"], target_fingerprint(model, tokenizer), str(directory))
     heads = build_heads(config["kind"], model, **config.get("options", {}))
     state = load_file(directory / "model.safetensors")
-    heads.load_state_dict({k: v.to(model.dtype) for k, v in state.items()})
+    heads.load_state_dict({k: _cast(v, model.dtype) for k, v in state.items()})
     return heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False), config

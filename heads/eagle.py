@@ -9,6 +9,9 @@ Which feature: the target's final hidden state AFTER its final norm (the last en
 predicted feature needs no further norm, it exists under that name in every Hugging Face causal
 LM, and its scale is stable (std ~2 on SmolLM2, against ~70 before the norm), which keeps the
 SmoothL1 regression well conditioned.
+
+With `draft_vocab` N > 0 the readout is restricted to the N ids in the buffer `draft_vocab`
+(`heads.vocab`); the feature regression does not depend on it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from heads.vocab import DraftReadout
+
 
 class EagleHead(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_cls: type[nn.Module], rotary_cls: type[nn.Module]) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_cls: type[nn.Module], rotary_cls: type[nn.Module], draft_vocab: int = 0
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
@@ -29,12 +36,18 @@ class EagleHead(nn.Module):
         self.layer.input_layernorm = nn.Identity()
         # --------------------------------------------------------------------------------------------
         self.rotary = rotary_cls(config)
+        # (N,) target ids of the draft vocabulary, set by training; None = the full vocabulary.
+        self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
 
     @classmethod
-    def for_target(cls, model: nn.Module) -> EagleHead:
+    def for_target(cls, model: nn.Module, draft_vocab: int = 0) -> EagleHead:
         """Build from a Hugging Face causal LM: its config, decoder-layer class and rotary embedding class."""
         decoder = model.get_decoder()
-        return cls(model.config, type(decoder.layers[0]), type(decoder.rotary_emb))
+        return cls(model.config, type(decoder.layers[0]), type(decoder.rotary_emb), draft_vocab)
+
+    def readout(self, target_lm_head: nn.Module) -> DraftReadout:
+        """The target's lm_head over this checkpoint's draft vocabulary."""
+        return DraftReadout(target_lm_head, self.draft_vocab)
 
     def forward(
         self,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from heads.vocab import DraftReadout
+
 
 class ResBlock(nn.Module):
     def __init__(self, hidden_size: int) -> None:
@@ -25,10 +27,14 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, own_lm_head: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, vocab_size: int, num_heads: int = 4, own_lm_head: bool = False, draft_vocab: int = 0
+    ) -> None:
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        if own_lm_head and draft_vocab:
+            raise ValueError("own_lm_head and draft_vocab exclude each other")
         self.num_heads = num_heads
         # One module per head: `[ResBlock(h)] * K` would tie them all to one set of weights.
         self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_heads))
@@ -37,6 +43,12 @@ class MedusaHeads(nn.Module):
             if own_lm_head
             else None
         )
+        # (N,) target ids of the draft vocabulary, set by training; None = the full vocabulary.
+        self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
+
+    def readout(self, target_lm_head: nn.Module) -> DraftReadout:
+        """The target's lm_head over this checkpoint's draft vocabulary."""
+        return DraftReadout(target_lm_head, self.draft_vocab)
 
     def init_lm_heads(self, target_lm_head: nn.Module) -> None:
         """Copy the target's lm_head into each own lm_head (no-op when the target's is shared)."""
@@ -48,12 +60,12 @@ class MedusaHeads(nn.Module):
         """(..., H) final hidden states -> (K, ..., H) per-head features."""
         return torch.stack([block(hidden) for block in self.blocks])
 
-    def head_logits(self, k: int, feature: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
-        """Logits of head k (1-based) from its feature (..., H) -> (..., V)."""
+    def head_logits(self, k: int, feature: torch.Tensor, target_lm_head) -> torch.Tensor:
+        """Logits of head k (1-based) from its feature (..., H) -> (..., V), or (..., N) through a DraftReadout."""
         lm_head = self.lm_heads[k - 1] if self.lm_heads is not None else target_lm_head
         return lm_head(feature)
 
-    def forward(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, target_lm_head) -> torch.Tensor:
         """(..., H) -> (K, ..., V) logits; head k's row predicts the token k+1 places ahead."""
         feats = self.features(hidden)
         return torch.stack([self.head_logits(k + 1, feats[k], target_lm_head) for k in range(self.num_heads)])

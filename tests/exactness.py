@@ -76,12 +76,12 @@ def assert_first_three_follow_target(
     assert chi_square_pvalue(counts, joint) > 1e-3
 
 
-def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10):
+def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10, **overrides):
     """Heads trained for a few steps on synthetic distilled rows; returns the heads directory."""
     from tests.test_train import make_cfg
     from train import heads as train_heads
 
-    train_heads.run(make_cfg(tmp_path, model_dir, kind, **{"optim.max_steps": steps}))
+    train_heads.run(make_cfg(tmp_path, model_dir, kind, **{"optim.max_steps": steps, **overrides}))
     return tmp_path / "out" / "heads"
 
 
@@ -96,12 +96,12 @@ def random_heads(kind: str, model, std: float, seed: int = 0, **options):
     return heads.eval().requires_grad_(False)
 
 
-def assert_identity_with_trained_heads(tmp_path, model_dir, kind: str, trees: list[dict]) -> None:
+def assert_identity_with_trained_heads(tmp_path, model_dir, kind: str, trees: list[dict], **overrides) -> None:
     """Heads trained for a few steps on the tiny model in `model_dir`: greedy identity for each tree setting."""
     from runtime.drafters import make_drafter
     from runtime.models import load_model
 
-    heads_dir = train_tiny_heads(tmp_path, model_dir, kind)
+    heads_dir = train_tiny_heads(tmp_path, model_dir, kind, **overrides)
     model, tokenizer = load_model(str(model_dir))
     model.generation_config.eos_token_id = None
     prompts = [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]

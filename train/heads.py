@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch train/hea
 
 from heads.checkpoint import build_heads, save_heads, target_fingerprint
 from heads.medusa import choose_tree_shape
+from heads.vocab import frequent_tokens
 from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from train.data import Row, collate, load_rows, make_batches, split_rows
 from train.losses import eagle_loss, eagle_predict, head_metrics, medusa_labels, medusa_loss
@@ -84,16 +85,20 @@ class Trainer:
         self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
-        options = {"num_heads": cfg.heads.num_heads, "own_lm_head": cfg.heads.own_lm_head}
-        self.options = options if cfg.heads.kind == "medusa" else {}
+        self.options = {"draft_vocab": cfg.heads.draft_vocab}
+        if cfg.heads.kind == "medusa":
+            self.options.update(num_heads=cfg.heads.num_heads, own_lm_head=cfg.heads.own_lm_head)
         heads = build_heads(cfg.heads.kind, model, **self.options).float()
+        if cfg.heads.draft_vocab:
+            responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
+            heads.draft_vocab.copy_(frequent_tokens(responses, cfg.heads.draft_vocab, model.config.vocab_size))
         optimizer = torch.optim.AdamW(
             heads.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         self.heads, self.optimizer = accelerator.prepare(heads, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)
-        self.lm_head = model.get_output_embeddings()
+        self.readout = heads.readout(model.get_output_embeddings())
         self.embed = model.get_input_embeddings()
         self._epoch = 0
         self.rank_accuracy: list[list[float]] = []
@@ -128,15 +133,16 @@ class Trainer:
         hidden = self.target_features(batch)
         if self.cfg.heads.kind == "medusa":
             ids, mask, k = batch["input_ids"], batch["loss_mask"], self.cfg.heads.num_heads
-            return medusa_loss(self.heads, hidden, self.lm_head_f32, ids, mask, k)
+            return medusa_loss(self.heads, hidden, self.readout_f32, ids, mask, k, self.readout.to_draft)
         loss, _ = eagle_loss(
-            self.heads, hidden, self.embed_f32, self.lm_head_f32, batch["input_ids"], batch["loss_mask"],
+            self.heads, hidden, self.embed_f32, self.readout_f32, batch["input_ids"], batch["loss_mask"],
             noise=self.cfg.heads.feature_noise, ce_weight=self.cfg.heads.ce_weight,
         )  # fmt: skip
         return loss
 
-    def lm_head_f32(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.to(self.lm_head.weight.dtype), self.lm_head.weight).float()
+    def readout_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head over the draft vocabulary, in float32: (..., H) -> (..., N)."""
+        return self.readout(x).float()
 
     def embed_f32(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids).float()
@@ -164,7 +170,8 @@ class Trainer:
             valid = torch.stack([medusa_labels(ids, mask, k)[1][:, :n] for k in range(1, K + 1)]).all(0)
             for k, logits in enumerate(self.head_logits_for_eval(heads, hidden, ids), 1):
                 labels = medusa_labels(ids, mask, k)[0][:, :n]
-                hits = logits[:, :n].topk(RANKS, dim=-1).indices == labels[..., None]  # (B, n, RANKS)
+                guesses = self.readout.to_target(logits[:, :n].topk(RANKS, dim=-1).indices)  # (B, n, RANKS) ids
+                hits = guesses == labels[..., None]
                 top1[k - 1].append(hits[..., 0][valid])
                 top5[k - 1].append(hits[..., :EVAL_TOPK].any(-1)[valid])
                 ranks[k - 1].append(hits[valid])
@@ -184,11 +191,11 @@ class Trainer:
         K = self.cfg.heads.num_heads
         if self.cfg.heads.kind == "medusa":
             feats = heads.features(hidden)
-            return [heads.head_logits(k, feats[k - 1], self.lm_head_f32) for k in range(1, K + 1)]
+            return [heads.head_logits(k, feats[k - 1], self.readout_f32) for k in range(1, K + 1)]
         out, feats = [], hidden
         for k in range(1, K + 1):
             feats = eagle_predict(heads, feats[:, :-1], self.embed_f32(ids[:, k:]))  # position t predicts t+k
-            out.append(self.lm_head_f32(feats))
+            out.append(self.readout_f32(feats))
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------------

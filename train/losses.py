@@ -18,18 +18,25 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
     return input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
 
 
-def medusa_loss(heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_heads: int) -> torch.Tensor:
+def medusa_loss(
+    heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_heads: int, to_draft=None
+) -> torch.Tensor:
     """Sum over heads k = 1..K of the mean cross-entropy of head k against token t+k+1.
 
     Logits are computed only at positions where some head has a label (the vocabulary projection
     dominates the cost), through the module's forward so that DDP sees every parameter used
-    (`heads` may be DDP-wrapped, hence `num_heads` is passed).
+    (`heads` may be DDP-wrapped, hence `num_heads` is passed). With a reduced draft vocabulary,
+    `lm_head` scores only its N tokens and `to_draft` maps target ids to its indices (-1: not in
+    it); labels outside it are left out of the loss.
     """
     B, T = input_ids.shape
     labels = torch.zeros(num_heads, B, T, dtype=torch.long, device=input_ids.device)
     valid = torch.zeros(num_heads, B, T, dtype=torch.bool, device=input_ids.device)
     for k in range(1, num_heads + 1):
         labels[k - 1, :, : T - k - 1], valid[k - 1, :, : T - k - 1] = medusa_labels(input_ids, loss_mask, k)
+    if to_draft is not None:
+        labels = to_draft(labels)
+        valid &= labels >= 0
     used = valid.any(0)  # (B, T)
     logits = heads(hidden[used], lm_head)  # (K, N, V)
     total = hidden.new_zeros((), dtype=torch.float32)

@@ -8,7 +8,8 @@ forward over all of them, a tree mask inside the head), give each its `top_k` li
 Then rerank every drafted node by cumulative log-probability and keep the best `budget`: a child is
 never likelier than its parent, so the kept set is a tree. Drafted entries leave the head's cache
 after each round; the features of the accepted path, from the target's verification pass, enter it.
-Every node is a deterministic guess (a point mass).
+Every node is a deterministic guess (a point mass). Heads trained with a reduced draft vocabulary
+score only its tokens (`heads.vocab`); log-probabilities are then normalised over those.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class EagleDrafter(Drafter):
     ) -> None:
         if min(depth, top_k, budget) < 1:
             raise ValueError(f"depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
-        self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.head, self.embed, self.readout = head, embed, head.readout(lm_head)
         self.depth, self.top_k, self.budget = depth, top_k, budget
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
@@ -86,14 +87,14 @@ class EagleDrafter(Drafter):
         def add_children(parent: int, logits: torch.Tensor, base: float) -> list[int]:
             top = logits.float().log_softmax(-1).topk(self.top_k)
             new = []
-            for logp, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            for logp, tok in zip(top.values.tolist(), self.readout.to_target(top.indices).tolist(), strict=True):
                 new.append(len(tokens))
                 tokens.append(tok)
                 parents.append(parent)
                 scores.append(base + logp)
             return new
 
-        frontier = add_children(-1, self.lm_head(self._root_feature), 0.0)
+        frontier = add_children(-1, self.readout(self._root_feature), 0.0)
         for depth in range(2, self.depth + 1):
             expand = sorted(frontier, key=lambda i: -scores[i])[: self.top_k]
             n_drafted = len(slot)
@@ -108,12 +109,13 @@ class EagleDrafter(Drafter):
             inputs = torch.stack([feature[parents[n]] if parents[n] >= 0 else self._root_feature for n in expand])
             positions = torch.full((len(expand),), past + depth - 2)
             out = self._run_head(inputs, [tokens[n] for n in expand], positions, allowed)  # (m, H)
-            logits = self.lm_head(out)  # (m, V)
+            logits = self.readout(out)  # (m, N): N = V unless the head has a reduced draft vocabulary
             frontier = []
             for row, node in enumerate(expand):
                 feature[node] = out[row]
                 frontier += add_children(node, logits[row], scores[node])
-        self.cache.crop(-len(slot))  # drafted entries never stay in the head's cache
+        if slot:
+            self.cache.crop(-len(slot))  # drafted entries never stay in the head's cache
         return rerank(tokens, parents, scores, self.budget)
 
 

@@ -4,6 +4,7 @@ The feature is the target's final hidden state at the position just before the r
 accepted token); there head k predicts the token k places below the root. The tree's shape, a list
 of rank paths such as (0,), (1,), (0, 0), is chosen from the heads' measured per-rank accuracies
 (`heads.medusa.choose_tree_shape`). Every node is a deterministic top-k guess: a point mass.
+Heads trained with a reduced draft vocabulary score only its tokens (`heads.vocab`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class MedusaDrafter(Drafter):
         bad = [p for i, p in enumerate(shape) if len(p) > 1 and index.get(p[:-1], len(shape)) > i]
         if bad:
             raise ValueError(f"tree shape must list every parent before its children (bad: {bad[:3]})")
-        self.heads, self.lm_head, self.shape = heads, lm_head, shape
+        self.heads, self.readout, self.shape = heads, heads.readout(lm_head), shape
         self.depth = depth
         self.ranks = max(p[-1] for p in shape) + 1
         self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in shape]
@@ -47,11 +48,8 @@ class MedusaDrafter(Drafter):
         if self._feature is None:
             return DraftTree()
         feats = self.heads.features(self._feature[None])[: self.depth, 0]  # (D, H)
-        top = (
-            torch.stack([self.heads.head_logits(k + 1, feats[k], self.lm_head) for k in range(self.depth)])
-            .topk(self.ranks, dim=-1)
-            .indices.tolist()
-        )  # (D, R)
+        logits = torch.stack([self.heads.head_logits(k + 1, feats[k], self.readout) for k in range(self.depth)])
+        top = self.readout.to_target(logits.topk(self.ranks, dim=-1).indices).tolist()  # (D, R) target ids
         return DraftTree([top[len(p) - 1][p[-1]] for p in self.shape], list(self.parents))
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:

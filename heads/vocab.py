@@ -1,0 +1,62 @@
+"""A reduced draft vocabulary: the heads read out only the N most frequent target tokens.
+
+For a small target the lm_head dominates every draft step (SmolLM2-135M: 28M of its 135M
+parameters); scoring N << V tokens makes drafting and head training cheaper. Draft logits cover the
+N kept tokens, mapped back to target ids before they enter a tree. Exactness is untouched: the
+verifier always scores the target's full vocabulary, and a draft that can never propose a rare
+token only loses the (rare) chance of guessing it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def frequent_tokens(sequences: Iterable[list[int]], size: int, vocab_size: int) -> torch.Tensor:
+    """(size,) the `size` most frequent ids in `sequences`, most frequent first (ties: lower id first).
+
+    When fewer distinct ids occur, the rest are filled with the lowest unused ids.
+    """
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
+    counts = Counter(tok for seq in sequences for tok in seq)
+    ranked = sorted(counts, key=lambda tok: (-counts[tok], tok))[:size]
+    seen = set(ranked)
+    filler = (tok for tok in range(vocab_size) if tok not in seen)
+    ranked += [next(filler) for _ in range(size - len(ranked))]
+    return torch.tensor(ranked, dtype=torch.long)
+
+
+class DraftReadout:
+    """The target's lm_head restricted to `ids` (all of it when `ids` is None).
+
+    `readout(x)` gives logits (..., N) over the kept tokens; `to_target` maps draft indices back to
+    target ids; `to_draft` maps target ids to draft indices (-1 where the token was not kept).
+    """
+
+    def __init__(self, lm_head: nn.Module, ids: torch.Tensor | None) -> None:
+        weight = lm_head.weight.detach()  # (V, H), frozen
+        self.ids = None if ids is None else ids.to(weight.device)
+        self.weight = weight if self.ids is None else weight[self.ids]  # (N, H)
+
+    @property
+    def size(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)  # (..., H) -> (..., N)
+
+    def to_target(self, index: torch.Tensor) -> torch.Tensor:
+        return index if self.ids is None else self.ids[index]
+
+    def to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.ids is None:
+            return token_ids
+        lookup = torch.full((int(self.ids.max()) + 2,), -1, dtype=torch.long, device=self.ids.device)
+        lookup[self.ids] = torch.arange(len(self.ids), device=self.ids.device)
+        return lookup[token_ids.clamp(max=len(lookup) - 1)]
