@@ -15,7 +15,7 @@ def test_frequent_tokens_by_hand():
     seqs = [[7, 5, 7], [9, 7, 2], [5, 9]]
     assert frequent_tokens(seqs, 3, vocab_size=10).tolist() == [7, 5, 9]
     assert frequent_tokens(seqs, 6, vocab_size=10).tolist() == [7, 5, 9, 2, 0, 1]
-    with pytest.raises(ValueError, match="1..10"):
+    with pytest.raises(ValueError, match=r"1\.\.10"):
         frequent_tokens(seqs, 11, vocab_size=10)
 
 

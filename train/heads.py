@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 if __package__ in (None, ""):  # run as a script by `accelerate launch train/heads.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -18,9 +18,7 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> t
     return input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
 
 
-def medusa_loss(
-    heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_heads: int, to_draft=None
-) -> torch.Tensor:
+def medusa_loss(heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_heads: int, to_draft=None) -> torch.Tensor:
     """Sum over heads k = 1..K of the mean cross-entropy of head k against token t+k+1.
 
     Logits are computed only at positions where some head has a label (the vocabulary projection
