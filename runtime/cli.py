@@ -1,4 +1,4 @@
-"""The `headstart` command: `generate` and `demo`. A user mistake gets one line on stderr and exit 2."""
+"""The `headstart` command (generate, bench, distill, report, serve, demo); a user error gets one line, exit 2."""
 
 from __future__ import annotations
 
@@ -27,6 +27,21 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     p.add_argument("--device", default="cpu")
 
 
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa", "eagle"])
+    p.add_argument("--heads", default=None, help="trained heads directory (medusa, eagle)")
+    p.add_argument("--tree-budget", type=int, default=None, help="nodes per tree (medusa default: saved shape)")
+    p.add_argument("--tree-depth", type=int, default=None, help="eagle: drafting depth")
+    p.add_argument("--tree-top-k", type=int, default=None, help="eagle: nodes expanded and children per node")
+
+
+def _load_engine(args: argparse.Namespace):
+    from runtime.engine import Engine
+
+    tree = {"tree_budget": args.tree_budget, "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k}
+    return Engine.load(args.model, args.dtype, args.drafter, args.device, args.heads, **tree)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="headstart", description="Exact self-speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -37,11 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", help="JSONL rows with 'turns' (the first turn is used) or 'prompt'")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa", "eagle"])
-    g.add_argument("--heads", default=None, help="trained heads directory (medusa, eagle)")
-    g.add_argument("--tree-budget", type=int, default=None, help="nodes per tree (medusa default: saved shape)")
-    g.add_argument("--tree-depth", type=int, default=None, help="eagle: drafting depth")
-    g.add_argument("--tree-top-k", type=int, default=None, help="eagle: nodes expanded and children per node")
+    _add_drafter_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -78,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("runs", nargs="+", help="training output directories (with metrics.jsonl)")
     r.add_argument("--out", default="report.png")
 
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
+    _add_model_args(sv, "bfloat16")
+    _add_drafter_args(sv)
+    sv.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: --model)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
+    sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
+
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -98,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(draw_report(args.runs, args.out))
             return 0
+        if args.command == "serve":
+            return cmd_serve(args)
         if args.command == "demo":
             from runtime.demo import run_demo
 
@@ -129,11 +151,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompts = load_prompts(args.prompts_file)
 
-    from runtime.engine import Engine
     from runtime.generate import GenerationStats
 
-    tree = {"tree_budget": args.tree_budget, "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k}
-    engine = Engine.load(args.model, args.dtype, args.drafter, args.device, args.heads, **tree)
+    engine = _load_engine(args)
     for prompt in prompts:
         prompt_ids = engine.encode(prompt.text, chat=not args.raw)
         options = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)
@@ -152,6 +172,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{s['acceptance_length']:.2f}, {s['target_passes']} target passes]",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import uvicorn
+
+    from runtime.server.app import ServeConfig, build_app
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    for flag, value in (("--max-queue", args.max_queue), ("--time-limit", args.time_limit)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be > 0, got {value}")
+    options = {"max_queue": args.max_queue, "time_limit_s": args.time_limit}
+    config = ServeConfig(args.served_model_name or args.model, **{k: v for k, v in options.items() if v is not None})
+    engine = _load_engine(args)
+    print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({dataclasses.asdict(config)})",
+          file=sys.stderr)  # fmt: skip
+    uvicorn.run(build_app(engine, config), host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -59,7 +59,10 @@ class Engine:
             return self.tokenizer(prompt).input_ids
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; pass the prompt raw (--raw)")
-        messages = [{"role": "user", "content": prompt}]
+        return self.encode_chat([{"role": "user", "content": prompt}])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation under the model's chat template, ready for the assistant's turn."""
         return list(
             self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
         )
@@ -86,22 +89,12 @@ class Engine:
 
     def stream_text(self, prompt_ids: list[int], stop: Sequence[str] = (), **kwargs) -> Iterator[str]:
         """Text deltas as tokens are accepted; the text ends before a stop string, which is never shown."""
-        ids: list[int] = []
-        text, emitted = "", 0
-        hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming
+        decoder = TextDecoder(self.tokenizer, stop)
         for chunk in self.stream(prompt_ids, stop=stop, **kwargs):
-            ids += chunk.tokens
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            cut = _find_stop(text, stop)
-            text = text if cut is None else text[:cut]
-            safe = len(text) if cut is not None else len(text) - hold
-            while safe > emitted and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                safe -= 1
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-        if len(text) > emitted:
-            yield text[emitted:]
+            if delta := decoder.push(chunk.tokens):
+                yield delta
+        if delta := decoder.finish():
+            yield delta
 
     def generate(self, prompt: str | list[int], chat: bool = True, **kwargs) -> Result:
         """Generate for a text prompt (or token ids); kwargs as for `stream`. The text ends before a stop string."""
@@ -111,6 +104,41 @@ class Engine:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         cut = _find_stop(text, kwargs.get("stop", ()))
         return Result(token_ids, text[:cut] if cut is not None else text, stats)
+
+
+class TextDecoder:
+    """Incremental detokenisation: `push(tokens)` returns the text that is safe to show so far.
+
+    Text is held back while a stop string may still be forming or a UTF-8 sequence is incomplete;
+    the text ends before the first stop string. `finish()` returns what is left.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text, self.emitted = "", 0
+        self.stopped = False  # a stop string was found
+
+    def push(self, tokens: list[int]) -> str:
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = _find_stop(text, self.stop)
+        self.stopped = cut is not None
+        self.text = text if cut is None else text[:cut]
+        safe = len(self.text) if self.stopped else len(self.text) - self.hold
+        while safe > self.emitted and self.text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+            safe -= 1
+        return self._emit(safe)
+
+    def finish(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta, self.emitted = self.text[self.emitted : upto], upto
+        return delta
 
 
 def _find_stop(text: str, stop: Sequence[str]) -> int | None:

@@ -21,6 +21,7 @@ from runtime.tree import DraftTree
 class GenerationStats:
     new_tokens: int = 0
     target_passes: int = 0  # verification forwards (the prefill not counted)
+    plain_passes: int = 0  # of those, passes with nothing drafted (an empty tree)
     accepted_per_depth: list[int] = field(default_factory=list)  # [d-1]: rounds whose path reached depth d
     draft_s: float = 0.0
     verify_s: float = 0.0  # target forward + accept_path + cache commit
@@ -107,6 +108,7 @@ def stream(
         drafted = min(len(accepted.path), len(new))
 
         stats.target_passes += 1
+        stats.plain_passes += not tree
         stats.new_tokens += len(new)
         stats.draft_s += (t1 - t0) + (t3 - t2)  # proposing, and updating the drafter's state
         stats.verify_s += t2 - t1

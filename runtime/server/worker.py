@@ -1,0 +1,105 @@
+"""The model worker: one thread owns the Engine and runs queued jobs one at a time, first in, first out.
+
+Handlers submit a Job and read its events from an asyncio queue: ("delta", text), then one final
+("done", finish_reason) or ("error", message). A job is cancelled (its client went away) or runs
+out of time between rounds of the decode loop, so the worker is free again within one round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from runtime.engine import Engine, TextDecoder
+from runtime.generate import GenerationStats
+from runtime.sampling import SamplingParams
+from runtime.server.metrics import ServerMetrics
+
+
+class QueueFullError(Exception):
+    """The wait queue holds `max_queue` jobs already."""
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    seed: int | None
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None  # arrival to first generated token
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    timed_out: bool = False
+
+    def send(self, kind: str, value: str) -> None:
+        """From the worker thread: hand one event to the handler's event loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Worker:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int, time_limit_s: float) -> None:
+        self.engine, self.metrics, self.time_limit_s = engine, metrics, time_limit_s
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.thread = threading.Thread(target=self._run, name="headstart-worker", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)  # blocks only if the queue is full; the worker drains it
+        self.thread.join(timeout=10)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError from None
+        self.metrics.queue_depth.set(self.jobs.qsize())
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self.metrics.queue_depth.set(self.jobs.qsize())
+            if job.cancelled.is_set():
+                continue
+            self.metrics.running.set(1)
+            try:
+                finish = self._generate(job)
+                job.send("done", finish)
+            except Exception as e:
+                job.send("error", f"generation failed: {type(e).__name__}: {e}")
+            finally:
+                self.metrics.running.set(0)
+                self.metrics.record_generation(job.stats)
+                self.metrics.latency.observe(time.perf_counter() - job.arrived)
+
+    def _generate(self, job: Job) -> str:
+        """Run the decode loop for `job`, sending text deltas; returns the finish reason."""
+        decoder = TextDecoder(self.engine.tokenizer, job.stop)
+        deadline = time.perf_counter() + self.time_limit_s
+        last = None
+        for chunk in self.engine.stream(
+            job.prompt_ids, job.sampling, job.max_tokens, job.seed, job.stop, stats=job.stats
+        ):
+            if job.first_token_s is None:
+                job.first_token_s = time.perf_counter() - job.arrived
+                self.metrics.ttft.observe(job.first_token_s)
+            last = chunk.tokens[-1] if chunk.tokens else last
+            if delta := decoder.push(chunk.tokens):
+                job.send("delta", delta)
+            if job.cancelled.is_set():
+                return "cancelled"
+            if time.perf_counter() > deadline:
+                job.timed_out = True
+                break
+        if delta := decoder.finish():
+            job.send("delta", delta)
+        if decoder.stopped or last in self.engine.eos_ids:
+            return "stop"
+        return "length"

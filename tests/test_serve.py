@@ -1,0 +1,262 @@
+"""`headstart serve` on a loopback port over a tiny Llama: the openai client, concurrency, bad inputs, disconnects."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+
+from runtime.cli import main
+from runtime.drafters import make_drafter
+from runtime.engine import Engine
+from runtime.models import load_model
+from runtime.server.app import ServeConfig, build_app
+
+NAME = "tiny"
+PROMPTS = ["the cat sat on", "a dog ran far", "one two three", "red blue green and", "then it was good"]
+
+
+class SlowDrafter:
+    """Wraps a drafter; sleeps before each round so a generation is long enough to interrupt."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.name = inner.name
+
+    def start(self, *args):
+        return self.inner.start(*args)
+
+    def propose(self, context):
+        time.sleep(self.delay_s)
+        return self.inner.propose(context)
+
+    def observe(self, *args):
+        return self.inner.observe(*args)
+
+
+class LiveServer:
+    """uvicorn serving `build_app(engine, config)` on a free loopback port, in a thread."""
+
+    def __init__(self, engine: Engine, **config) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        app = build_app(engine, ServeConfig(NAME, **config))
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def metric(self, name: str, **labels) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == (f"{name}{{{want}}}" if labels else name):
+                return float(value)
+        return 0.0
+
+
+def tiny_engine(model_dir, drafter: str = "lookup", delay_s: float = 0.0) -> Engine:
+    model, tokenizer = load_model(str(model_dir))
+    inner = make_drafter(drafter, model, tokenizer)
+    return Engine(model, tokenizer, SlowDrafter(inner, delay_s) if delay_s else inner)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    live = LiveServer(tiny_engine(tiny_model_dir))
+    yield live
+    live.close()
+
+
+def cli_text(model_dir, prompt: str, capsys, raw: bool = False) -> str:
+    argv = ["generate", "--model", str(model_dir), "--drafter", "lookup", "--prompt", prompt,
+            "--max-new-tokens", "20", "--json"] + (["--raw"] if raw else [])  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
+
+
+def test_openai_client_chat_and_completions_match_headstart_generate(server, tiny_model_dir, capsys):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [NAME]
+    prompt = PROMPTS[0]
+    expected_chat = cli_text(tiny_model_dir, prompt, capsys)
+    expected_raw = cli_text(tiny_model_dir, prompt, capsys, raw=True)
+
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0
+    )
+    assert chat.choices[0].message.content == expected_chat
+    assert chat.usage.completion_tokens > 0 and chat.usage.total_tokens > chat.usage.completion_tokens
+    extra = chat.model_extra["headstart"]
+    assert extra["target_passes"] >= 1 and extra["acceptance_length"] >= 1
+
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_chat
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    done = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
+    assert done.choices[0].text == expected_raw
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected_raw
+
+
+def test_stop_strings_and_finish_reasons(server):
+    client = server.client()
+    full = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0]
+    assert full.finish_reason in ("length", "stop")
+    words = full.text.split()
+    assert len(words) >= 3, full.text
+    cut = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[words[2]])
+    assert cut.choices[0].finish_reason == "stop"
+    assert words[2] not in cut.choices[0].text.split() or full.text.index(words[2]) > len(cut.choices[0].text)
+
+
+def test_sixteen_concurrent_clients_equal_the_sequential_results(server):
+    client = server.client()
+
+    def ask(i: int) -> str:
+        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + " " + "one two"[: i % 7]}]
+        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0)
+        return out.choices[0].message.content
+
+    before = server.metric("headstart_requests_total", endpoint="/v1/chat/completions", status="200")
+    sequential = [ask(i) for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(ask, range(16)))
+    assert concurrent == sequential
+    after = server.metric("headstart_requests_total", endpoint="/v1/chat/completions", status="200")
+    assert after - before == 32
+    assert httpx.get(server.url + "/health").json()["queue_depth"] == 0
+    assert server.metric("headstart_queue_depth") == 0
+    assert server.metric("headstart_generated_tokens_total") > 0
+    assert server.metric("headstart_acceptance_length_count") >= 32
+
+
+BAD = [
+    ("not json", "invalid JSON", None),
+    ({"model": NAME}, "messages", "messages"),
+    ({"model": NAME, "messages": "hello"}, "messages", "messages"),
+    ({"model": NAME, "messages": []}, "at least 1", "messages"),
+    ({"model": NAME, "messages": [{"role": "user", "content": 5}]}, "content", None),
+    ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, "role", None),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, "not served here", "model"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, "max_tokens", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, "context", "max_tokens"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, "max_tokens", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, "temperature", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "'n' is not supported", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "colour": "red"}, "unknown parameter", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": "the " * 600}]}, "context", "messages"),
+]
+
+
+@pytest.mark.parametrize("body, message, param", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_inputs_get_a_400_with_an_openai_error_body(server, body, message, param):
+    payload = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"content-type": "application/json"}, **payload)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"], error
+    if param:
+        assert error["param"] == param
+    ok = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "the cat", "max_tokens": 3})
+    assert ok.status_code == 200 and 1 <= ok.json()["usage"]["completion_tokens"] <= 3  # still serving
+
+
+def test_completion_prompt_errors(server):
+    for body, message in [
+        ({"model": NAME, "prompt": ["a", "b"], "max_tokens": 2}, "one prompt"),
+        ({"model": NAME, "prompt": "", "max_tokens": 2}, "empty prompt"),
+        ({"model": NAME, "prompt": [3, 99999], "max_tokens": 2}, "token ids"),
+        ({"model": NAME, "prompt": "the", "echo": True}, "'echo' is not supported"),
+    ]:
+        r = httpx.post(server.url + "/v1/completions", json=body)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/v1/nowhere").json()["error"]["code"] == "404"
+
+
+def test_full_queue_gets_429_and_a_disconnect_frees_the_worker(tiny_model_dir):
+    live = LiveServer(tiny_engine(tiny_model_dir, "none", delay_s=0.05), max_queue=1)
+    body = {"model": NAME, "prompt": "the cat", "max_tokens": 200, "stream": True}
+    try:
+        with (
+            httpx.Client(base_url=live.url, timeout=30) as first,
+            first.stream("POST", "/v1/completions", json=body) as stream,
+        ):
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # the first generation is running
+            waiting = threading.Thread(
+                target=httpx.post,
+                args=(live.url + "/v1/completions",),
+                kwargs={"json": {**body, "stream": False, "max_tokens": 2}, "timeout": 60},
+            )
+            waiting.start()  # fills the queue (max_queue=1)
+            deadline = time.time() + 10
+            while live.metric("headstart_queue_depth") < 1:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            busy = httpx.post(live.url + "/v1/completions", json={**body, "stream": False})
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "5"
+            assert busy.json()["error"]["code"] == "queue_full"
+        # the client closed the stream after one chunk: the worker stops at its next round
+        waiting.join(timeout=30)
+        t0 = time.perf_counter()
+        r = httpx.post(live.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and time.perf_counter() - t0 < 5  # not behind 200 tokens at 50 ms each
+        deadline = time.time() + 10
+        while live.metric("headstart_requests_total", endpoint="/v1/completions", status="499") < 1:
+            assert time.time() < deadline, "the disconnect was not counted"
+            time.sleep(0.05)
+        assert live.metric("headstart_generated_tokens_total") < 200  # the interrupted generation stopped early
+        assert live.metric("headstart_rounds_total", mode="plain") >= 1  # drafter none: plain rounds
+    finally:
+        live.close()
+
+
+def test_time_limit_ends_a_request(tiny_model_dir):
+    live = LiveServer(tiny_engine(tiny_model_dir, "none", delay_s=0.05), time_limit_s=0.5)
+    try:
+        r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "the cat", "max_tokens": 200},
+                       timeout=30)  # fmt: skip
+        out = r.json()
+        assert r.status_code == 200 and out["choices"][0]["finish_reason"] == "length"
+        assert out["headstart"]["timed_out"] and out["usage"]["completion_tokens"] < 200
+    finally:
+        live.close()
+
+
+def test_serve_flag_errors_are_one_line(capsys):
+    for argv, message in [(["serve", "--port", "0"], "--port"), (["serve", "--max-queue", "0"], "--max-queue"),
+                          (["serve", "--time-limit", "-1"], "--time-limit")]:  # fmt: skip
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
