@@ -157,7 +157,7 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         while True:
             try:
                 kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (the builtin TimeoutError only from Python 3.11)
                 if await request.is_disconnected():
                     job.cancelled.set()
                     metrics.requests.labels(endpoint=endpoint, status="499").inc()
