@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
     sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
 
+    lt = sub.add_parser("loadtest", help="latency and throughput of a running `headstart serve`")
+    lt.add_argument("--url", default="http://127.0.0.1:8000")
+    lt.add_argument("--clients", default="1,4,16", help="comma list of concurrency levels")
+    lt.add_argument("--requests-per-client", type=int, default=2)
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
+    lt.add_argument("--out", default=None, help="also write the results as JSON here")
+
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -120,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "loadtest":
+            return cmd_loadtest(args)
         if args.command == "demo":
             from runtime.demo import run_demo
 
@@ -193,6 +203,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({dataclasses.asdict(config)})",
           file=sys.stderr)  # fmt: skip
     uvicorn.run(build_app(engine, config), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import httpx
+
+    from runtime import bench
+    from runtime.server import loadtest
+
+    try:
+        levels = [int(c) for c in args.clients.split(",")]
+    except ValueError as e:
+        raise UserError(f"--clients takes a comma list of integers: {e}") from e
+    if min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
+        raise UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
+    prompts = [p.text for p in load_prompts(args.prompts or bench.DEFAULT_PROMPTS)]
+    try:
+        health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise UserError(f"no headstart server at {args.url}: {e}") from e
+    rows = [loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens)
+            for c in levels]  # fmt: skip
+    print(loadtest.markdown(rows, health["drafter"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"server": health, "levels": rows}, indent=2))
     return 0
 
 

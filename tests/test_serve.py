@@ -260,3 +260,18 @@ def test_serve_flag_errors_are_one_line(capsys):
                           (["serve", "--time-limit", "-1"], "--time-limit")]:  # fmt: skip
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_loadtest_reports_every_level(server, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "load.json"
+    argv = ["loadtest", "--url", server.url, "--clients", "1,3", "--requests-per-client", "2", "--max-tokens", "6",
+            "--prompts", str(prompts), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| lookup | 1 | 2 | 0 |" in table and "| lookup | 3 | 6 | 0 |" in table
+    levels = json.loads(out.read_text())["levels"]
+    assert [lv["requests"] for lv in levels] == [2, 6]
+    assert all(lv["tokens_per_s"] > 0 and lv["p95_latency_s"] >= lv["p50_latency_s"] > 0 for lv in levels)
+    assert main(["loadtest", "--url", "http://127.0.0.1:9"]) == 2

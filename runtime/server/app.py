@@ -77,7 +77,9 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "queue_depth": worker.jobs.qsize(), "worker_alive": worker.thread.is_alive()}
+        alive = worker.thread.is_alive()
+        return {"status": "ok" if alive else "worker stopped", "queue_depth": worker.jobs.qsize(),
+                "model": config.model_name, "drafter": engine.drafter.name}  # fmt: skip
 
     @app.get("/metrics")
     async def prometheus() -> Response:

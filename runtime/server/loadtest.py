@@ -1,0 +1,85 @@
+"""Load test of a running `headstart serve`: C concurrent streaming clients, latency and throughput.
+
+    headstart loadtest --url http://127.0.0.1:8000 --clients 1,4,16
+
+Each client sends `requests_per_client` chat requests one after another (streaming, temperature 0),
+over prompts from a JSONL file. Per level: p50/p95 latency, p50/p95 time to first token, total
+generated tokens/s over the level's wall time, and the mean acceptance length the server reported.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; 0 for no values."""
+    if not values:
+        return 0.0
+    values = sorted(values)
+    pos = q * (len(values) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> dict:
+    """Stream one chat completion; latency, time to first token, tokens and the server's speculative stats."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    first, tokens, extra = None, 0, {}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code, "latency_s": time.perf_counter() - t0}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            extra = chunk.get("headstart", extra)
+    latency = time.perf_counter() - t0
+    return {"status": 200, "latency_s": latency, "ttft_s": first if first is not None else latency, "tokens": tokens,
+            "acceptance_length": extra.get("acceptance_length", 0.0)}  # fmt: skip
+
+
+def run_level(url: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    def client_job(c: int) -> list[dict]:
+        with httpx.Client(base_url=url, timeout=None) as client:
+            return [one_request(client, model, prompts[(c * per_client + i) % len(prompts)], max_tokens)
+                    for i in range(per_client)]  # fmt: skip
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client_job, range(clients)) for r in rs]
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    lat, ttft = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]
+    return {
+        "clients": clients, "requests": len(results), "failed": len(results) - len(ok),
+        "p50_latency_s": percentile(lat, 0.5), "p95_latency_s": percentile(lat, 0.95),
+        "p50_ttft_s": percentile(ttft, 0.5), "p95_ttft_s": percentile(ttft, 0.95),
+        "tokens_per_s": sum(r["tokens"] for r in ok) / wall, "wall_s": wall,
+        "acceptance_length": statistics.fmean(r["acceptance_length"] for r in ok) if ok else 0.0,
+    }  # fmt: skip
+
+
+COLUMNS = [("clients", "clients", "{}"), ("requests", "requests", "{}"), ("failed", "failed", "{}"),
+           ("p50_latency_s", "p50 latency s", "{:.2f}"), ("p95_latency_s", "p95 latency s", "{:.2f}"),
+           ("p50_ttft_s", "p50 TTFT s", "{:.2f}"), ("p95_ttft_s", "p95 TTFT s", "{:.2f}"),
+           ("tokens_per_s", "tok/s", "{:.1f}"), ("acceptance_length", "tau", "{:.2f}")]  # fmt: skip
+
+
+def markdown(rows: list[dict], drafter: str) -> str:
+    """One table row per concurrency level, the drafter in the first column."""
+    lines = ["| drafter | " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for r in rows:
+        lines.append(f"| {drafter} | " + " | ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
