@@ -20,6 +20,13 @@ from heads.eagle import EagleHead
 from heads.medusa import MedusaHeads
 
 KINDS = ("medusa", "eagle")
+SHIPPED = Path(__file__).parent / "trained"  # heads trained by this project, shipped in the package
+
+
+def shipped_heads(model_name: str, kind: str) -> Path | None:
+    """The heads of `kind` shipped for the embedded model `model_name` (trained/<model>-<kind>), if any."""
+    path = SHIPPED / f"{model_name}-{kind}"
+    return path if (path / "config.json").is_file() else None
 
 
 class HeadsMismatchError(ValueError):

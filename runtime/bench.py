@@ -5,9 +5,10 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   hf         `model.generate` (greedy or sampling)
   hf-lookup  `model.generate(prompt_lookup_num_tokens=10)`
   lookup     our loop with the prompt-lookup drafter
-  medusa     our loop with trained Medusa heads (--medusa-heads DIR)
-  eagle      our loop with a trained EAGLE head (--eagle-heads DIR)
-Output: every per-prompt record as JSON, and a Markdown table per category and overall.
+  medusa     our loop with trained Medusa heads (--medusa-heads DIR, default: the shipped ones)
+  eagle      our loop with a trained EAGLE head (--eagle-heads DIR, default: the shipped one)
+Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart
+of speedup and acceptance length per category and method.
 """
 
 from __future__ import annotations
@@ -90,16 +91,20 @@ def run_bench(
     limit_per_category: int | None = None,
     categories: set[str] | None = None,
     seed: int = 0,
-    heads: dict[str, str] | None = None,
+    heads: dict[str, str | None] | None = None,
+    model_name: str | None = None,
 ) -> list[Record]:
-    """Every method on every prompt and temperature; `heads` maps medusa/eagle to checkpoint directories."""
+    """Every method on every prompt and temperature.
+
+    `heads` maps medusa/eagle to checkpoint directories; missing ones are the heads shipped for `model_name`.
+    """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
     heads = heads or {}
     model, tokenizer = engine.target.model, engine.tokenizer
     drafters = {
-        m: make_drafter("none" if m == "plain" else m, model, tokenizer, heads.get(m))
+        m: make_drafter("none" if m == "plain" else m, model, tokenizer, heads.get(m), model_name=model_name)
         for m in methods
         if m not in ("hf", "hf-lookup")
     }
@@ -181,7 +186,39 @@ def markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(records: list[Record], table: dict, out_dir: Path, meta: dict) -> tuple[Path, Path]:
+def chart(table: dict, path: Path, title: str = "") -> Path:
+    """PNG: per temperature, speedup over plain and acceptance length per category (bars: methods)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({t for t, _ in table})
+    fig, axes = plt.subplots(len(temperatures), 2, figsize=(13, 3.6 * len(temperatures)), squeeze=False)
+    for row, temperature in enumerate(temperatures):
+        cats = [*sorted(c for t, c in table if t == temperature and c != "overall"), "overall"]
+        methods = [m for m in table[(temperature, "overall")] if m not in ("plain", "hf")]
+        width = 0.8 / max(len(methods), 1)
+        for col, (key, label) in enumerate([("speedup_vs_plain", "speedup over plain"),
+                                            ("acceptance_length", "acceptance length")]):  # fmt: skip
+            ax = axes[row][col]
+            for j, method in enumerate(methods):
+                values = [table[(temperature, c)].get(method, {}).get(key) or 0.0 for c in cats]
+                ax.bar([i + j * width for i in range(len(cats))], values, width, label=method)
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(cats))], cats, rotation=20)
+            ax.set_title(f"{label}, T = {temperature}")
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def save(records: list[Record], table: dict, out_dir: Path, meta: dict) -> tuple[Path, Path, Path]:
+    """JSON records + summary, the Markdown table and the PNG chart, named by the time of the run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     json_path = out_dir / f"bench-{stamp}.json"
@@ -189,4 +226,5 @@ def save(records: list[Record], table: dict, out_dir: Path, meta: dict) -> tuple
     summary = {f"T={t}/{c}": row for (t, c), row in table.items()}
     json_path.write_text(json.dumps({"meta": meta, "summary": summary, "records": [asdict(r) for r in records]}))
     md_path.write_text(f"`{meta['command']}`\n\n{meta['machine']}\n" + markdown(table))
-    return json_path, md_path
+    png_path = chart(table, out_dir / f"bench-{stamp}.png", meta["machine"])
+    return json_path, md_path, png_path

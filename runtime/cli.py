@@ -29,7 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa", "eagle"])
-    p.add_argument("--heads", default=None, help="trained heads directory (medusa, eagle)")
+    p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     p.add_argument("--tree-budget", type=int, default=None, help="nodes per tree (medusa default: saved shape)")
     p.add_argument("--tree-depth", type=int, default=None, help="eagle: drafting depth")
     p.add_argument("--tree-top-k", type=int, default=None, help="eagle: nodes expanded and children per node")
@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b, "bfloat16")
     b.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
     b.add_argument("--methods", default="plain,hf,lookup", help="comma list of plain,hf,hf-lookup,lookup,medusa,eagle")
-    b.add_argument("--medusa-heads", default=None, help="trained Medusa heads directory (method medusa)")
-    b.add_argument("--eagle-heads", default=None, help="trained EAGLE head directory (method eagle)")
+    b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
+    b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
     b.add_argument("--categories", default=None, help="comma list of categories (default: all)")
     b.add_argument("--limit-per-category", type=int, default=None)
@@ -280,7 +280,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
     records = bench.run_bench(
         engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed,
-        heads,
+        heads, args.model,
     )  # fmt: skip
     table = bench.summarize(records)
     machine = (
@@ -288,9 +288,9 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
         f"{args.dtype}, {args.device}, model {args.model}"
     )
     meta = {"command": "headstart " + " ".join(argv), "machine": machine}
-    json_path, md_path = bench.save(records, table, Path(args.out), meta)
+    json_path, md_path, png_path = bench.save(records, table, Path(args.out), meta)
     print(bench.markdown(table))
-    print(f"records: {json_path}\ntable: {md_path}", file=sys.stderr)
+    print(f"records: {json_path}\ntable: {md_path}\nchart: {png_path}", file=sys.stderr)
     return 0
 
 

@@ -47,9 +47,12 @@ class Engine:
         heads: str | None = None,
         **tree: int | None,
     ) -> Engine:
-        """`tree`: tree_budget, tree_depth, tree_top_k for the trained drafters (None = their default)."""
+        """`tree`: tree_budget, tree_depth, tree_top_k for the trained drafters (None = their default).
+
+        medusa and eagle load `heads`, or else the heads shipped for `model` (heads/trained/).
+        """
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
-        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, **tree))
+        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, model_name=model, **tree))
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of `prompt`, as one user turn under the model's chat template unless `chat` is False."""

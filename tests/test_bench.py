@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from runtime import bench
 from runtime.cli import main
 from runtime.engine import Engine
@@ -18,19 +20,24 @@ def test_bench_records_and_tables(tiny_model_dir, tmp_path):
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     engine = Engine.load(str(tiny_model_dir))
     methods = ["plain", "hf", "hf-lookup", "lookup"]
-    records = bench.run_bench(engine, str(prompts), methods, [0.0], max_new_tokens=12)
-    assert len(records) == 2 * len(methods)
-    plain = {r.prompt_id: r.token_ids for r in records if r.method == "plain"}
+    records = bench.run_bench(engine, str(prompts), methods, [0.0, 1.0], max_new_tokens=12)
+    assert len(records) == 2 * 2 * len(methods)
+    plain = {r.prompt_id: r.token_ids for r in records if r.method == "plain" and r.temperature == 0}
     for r in records:
         assert r.new_tokens == len(r.token_ids) > 0 and r.seconds > 0
-        assert r.same_as_plain == (r.token_ids == plain[r.prompt_id])  # fp32: all methods agree
+        if r.temperature == 0:
+            assert r.same_as_plain == (r.token_ids == plain[r.prompt_id])  # fp32: all methods agree
+        else:
+            assert r.same_as_plain is None  # sampled: no token-level comparison
     table = bench.summarize(records)
     overall = table[(0.0, "overall")]
     assert overall["plain"]["speedup_vs_plain"] == 1.0 and overall["lookup"]["acceptance_length"] >= 1.0
     text = bench.markdown(table)
     assert "| overall | lookup |" in text and "| a | plain |" in text
-    json_path, md_path = bench.save(records, table, tmp_path / "out", {"command": "x", "machine": "y"})
+    assert "**T = 1.0**" in text
+    json_path, md_path, png_path = bench.save(records, table, tmp_path / "out", {"command": "x", "machine": "y"})
     assert len(json.loads(json_path.read_text())["records"]) == len(records) and md_path.read_text()
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_cli_rejects_unknown_method(tiny_model_dir, tmp_path, capsys):
@@ -38,3 +45,15 @@ def test_bench_cli_rejects_unknown_method(tiny_model_dir, tmp_path, capsys):
     prompts.write_text(json.dumps({"turns": ["the cat"]}) + "\n")
     code = main(["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods", "plain,warp"])
     assert code == 2 and "unknown method(s) warp" in capsys.readouterr().err
+
+
+def test_trained_drafters_default_to_the_shipped_heads(tiny_model_dir):
+    from heads.checkpoint import shipped_heads
+    from runtime.drafters import make_drafter
+
+    for kind in ("medusa", "eagle"):
+        assert shipped_heads("smollm2-135m-instruct", kind) is not None
+        assert shipped_heads(str(tiny_model_dir), kind) is None
+    engine = Engine.load(str(tiny_model_dir))
+    with pytest.raises(ValueError, match="none are shipped for tiny"):
+        make_drafter("eagle", engine.target.model, engine.tokenizer, model_name="tiny")

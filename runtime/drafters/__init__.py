@@ -36,9 +36,13 @@ def make_drafter(
     tree_budget: int | None = None,
     tree_depth: int | None = None,
     tree_top_k: int | None = None,
+    model_name: str | None = None,
     **options: int,
 ) -> Drafter:
-    """Build a drafter by its CLI name; trained drafters load `heads` (a checkpoint directory) onto `model`."""
+    """Build a drafter by its CLI name; trained drafters load `heads` (a checkpoint directory) onto `model`.
+
+    Without `heads`, the heads shipped for `model_name` (an embedded model's name) are used if there are any.
+    """
     if name == "none":
         return Drafter()
     if name == "lookup":
@@ -47,10 +51,12 @@ def make_drafter(
         return LookupDrafter(**options)
     if name not in ("medusa", "eagle"):
         raise ValueError(f"unknown drafter '{name}': choose none, lookup, medusa or eagle")
-    from heads.checkpoint import load_heads
+    from heads.checkpoint import load_heads, shipped_heads
 
+    if heads is None and model_name is not None:
+        heads = shipped_heads(model_name, name)
     if heads is None or model is None:
-        raise ValueError(f"the {name} drafter needs trained heads (--heads DIR)")
+        raise ValueError(f"the {name} drafter needs trained heads (--heads DIR): none are shipped for {model_name}")
     module, config = load_heads(heads, model, tokenizer)
     if config["kind"] != name:
         raise ValueError(f"{heads} holds {config['kind']} heads, not {name} heads")
