@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--drafter", default="eagle", choices=["lookup", "medusa", "eagle"],
+                   help="the speculative side (medusa, eagle: the heads shipped for --model)")  # fmt: skip
     return parser
 
 
@@ -133,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from runtime.demo import run_demo
 
-            return run_demo(args.model, args.dtype, args.device, args.max_new_tokens)
+            return run_demo(args.model, args.dtype, args.device, args.max_new_tokens, args.drafter)
     except (UserError, ValueError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)
         return 2

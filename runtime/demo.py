@@ -56,9 +56,11 @@ def _decode(engine: Engine, prompt_ids: list[int], drafter: Drafter, max_new_tok
     return ids, stats, time.perf_counter() - t0
 
 
-def run_demo(model: str, dtype: str, device: str, max_new_tokens: int, drafter: str = "lookup") -> int:
+def run_demo(model: str, dtype: str, device: str, max_new_tokens: int, drafter: str = "eagle") -> int:
+    """Plain vs `drafter` on the built-in prompts; trained drafters use the heads shipped for `model`."""
     print(f"headstart demo: loading {model} ({dtype}, {device}) ...", flush=True)
     engine = Engine.load(model, dtype=dtype, device=device)
+    spec = make_drafter(drafter, engine.target.model, engine.tokenizer, model_name=model)
     engine.generate(engine.encode("Hi"), max_new_tokens=4)  # warm-up
     on, off = _marks(sys.stdout.isatty())
     totals = {"plain": [0, 0.0], "spec": [0, 0.0, 0]}
@@ -69,7 +71,7 @@ def run_demo(model: str, dtype: str, device: str, max_new_tokens: int, drafter: 
         print("--- plain decoding:")
         plain_ids, _, plain_s = _decode(engine, prompt_ids, make_drafter("none"), max_new_tokens, mark=False)
         print(f"--- speculative decoding ({drafter} drafter; {on}accepted draft tokens{off} marked):")
-        spec_ids, stats, spec_s = _decode(engine, prompt_ids, make_drafter(drafter), max_new_tokens, mark=True)
+        spec_ids, stats, spec_s = _decode(engine, prompt_ids, spec, max_new_tokens, mark=True)
         same = spec_ids == plain_ids
         identical += same
         plain_tps, spec_tps = len(plain_ids) / plain_s, len(spec_ids) / spec_s

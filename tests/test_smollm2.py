@@ -62,3 +62,12 @@ def test_greedy_identity_with_shipped_heads(engine, kind):
         assert result.token_ids == hf, f"{kind} differs from generate on {prompt.category}/{prompt.id}"
         accepted += sum(result.stats.accepted_per_depth)
     assert accepted > 0
+
+
+def test_demo_with_shipped_heads_is_identical(capsys):
+    """`headstart demo` (the README's first command), shortened: every answer identical to plain decoding."""
+    from runtime.cli import main
+
+    assert main(["demo", "--max-new-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "=== overall: 3/3 identical" in out, out[-600:]
