@@ -45,14 +45,15 @@ class Engine:
         drafter: str = "none",
         device: str = "cpu",
         heads: str | None = None,
-        **tree: int | None,
+        **options: int | str | None,
     ) -> Engine:
-        """`tree`: tree_budget, tree_depth, tree_top_k for the trained drafters (None = their default).
+        """`options` for the drafter (None = its default): tree_budget, tree_depth, tree_top_k, draft_model,
+        draft_layers (see `make_drafter`).
 
         medusa and eagle load `heads`, or else the heads shipped for `model` (heads/trained/).
         """
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
-        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, model_name=model, **tree))
+        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, model_name=model, **options))
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of `prompt`, as one user turn under the model's chat template unless `chat` is False."""

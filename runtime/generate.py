@@ -85,7 +85,7 @@ def stream(
     t_start = time.perf_counter()
 
     prompt_hidden = target.prefill(prompt_ids[:-1])
-    drafter.start(prompt_ids, prompt_hidden)
+    drafter.start(prompt_ids, prompt_hidden, sampling, seed)
     context = list(prompt_ids)  # the last token is the root: not yet in the KV cache
     while stats.new_tokens < max_new_tokens:
         t0 = time.perf_counter()

@@ -273,3 +273,21 @@ def test_exact_on_an_eagle_shaped_tree(params):
     outcomes = enumerate_outcomes(lambda rng: round_outcome(tree, params, rng))
     assert abs(sum(outcomes.values()) - 1) < 1e-12
     assert (extend_to_length(outcomes, params, length) - target_joint(params, length)).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["T1", "T0.7-k6-p0.9"])
+def test_exact_on_a_sampled_chain(params):
+    """The chain the model and layerskip drafters sample at temperature > 0: each token drawn from the
+    draft's logits under the same temperature / top-k / top-p (q), q recorded per node. All V^2 chains."""
+    parents = [-1, 0]
+    outcomes = defaultdict(float)
+    for tokens in itertools.product(range(V), repeat=2):
+        rows = [target_probs(world_logits(tokens[:i], 1), params) for i in range(2)]
+        chain_prob = float(rows[0][tokens[0]] * rows[1][tokens[1]])
+        if chain_prob == 0:
+            continue
+        tree = DraftTree(list(tokens), parents, torch.stack(rows))
+        for seq, prob in enumerate_outcomes(lambda rng, tree=tree: round_outcome(tree, params, rng)).items():
+            outcomes[seq] += chain_prob * prob
+    assert abs(sum(outcomes.values()) - 1) < 1e-9
+    assert (extend_to_length(outcomes, params) - target_joint(params)).abs().max() < 1e-9

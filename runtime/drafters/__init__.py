@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
 
@@ -17,8 +18,17 @@ class Drafter:
 
     name = "none"
 
-    def start(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
-        """A new sequence begins; `prompt_hidden` (len-1, H) are the target's features of all but the root."""
+    def start(
+        self,
+        prompt_ids: list[int],
+        prompt_hidden: torch.Tensor | None,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """A new sequence begins; `prompt_hidden` (len-1, H) are the target's features of all but the root.
+
+        `sampling` and `seed` are the decode's: drafters that sample their guesses use them.
+        """
 
     def propose(self, context: list[int]) -> DraftTree:
         """A tree of guesses for the tokens after `context[-1]`."""
@@ -37,11 +47,15 @@ def make_drafter(
     tree_depth: int | None = None,
     tree_top_k: int | None = None,
     model_name: str | None = None,
+    draft_model: str | None = None,
+    draft_layers: str | int | None = None,
     **options: int,
 ) -> Drafter:
     """Build a drafter by its CLI name; trained drafters load `heads` (a checkpoint directory) onto `model`.
 
     Without `heads`, the heads shipped for `model_name` (an embedded model's name) are used if there are any.
+    `model` drafts with the causal LM `draft_model` (a path or embedded name); `layerskip` with the
+    target's first `draft_layers` layers (an int, or a comma list of layer indices starting at 0).
     """
     if name == "none":
         return Drafter()
@@ -49,8 +63,10 @@ def make_drafter(
         from runtime.drafters.lookup import LookupDrafter
 
         return LookupDrafter(**options)
+    if name in ("model", "layerskip"):
+        return _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, tree_depth)
     if name not in ("medusa", "eagle"):
-        raise ValueError(f"unknown drafter '{name}': choose none, lookup, medusa or eagle")
+        raise ValueError(f"unknown drafter '{name}': choose none, lookup, medusa, eagle, model or layerskip")
     from heads.checkpoint import load_heads, shipped_heads
 
     if heads is None and model_name is not None:
@@ -76,3 +92,31 @@ def make_drafter(
     else:
         shape = [tuple(path) for path in config["tree"]]
     return MedusaDrafter(module, model.get_output_embeddings(), shape)
+
+
+def _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, depth) -> Drafter:
+    from runtime.drafters.model import ModelDrafter, check_same_tokenizer
+
+    if model is None:
+        raise ValueError(f"the {name} drafter needs the target model")
+    chain = {"depth": depth} if depth is not None else {}
+    if name == "layerskip":
+        if draft_layers is None:
+            raise ValueError("the layerskip drafter needs --draft-layers N (or a list such as 0,1,2,5)")
+        if isinstance(draft_layers, int) or str(draft_layers).strip().isdigit():
+            layers = list(range(int(draft_layers)))
+        else:
+            try:
+                layers = [int(x) for x in str(draft_layers).split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"--draft-layers takes N or a comma list of layer indices, got {draft_layers!r}"
+                ) from None
+        return ModelDrafter.layerskip(model, layers, **chain)
+    if draft_model is None:
+        raise ValueError("the model drafter needs --draft-model PATH_OR_NAME")
+    from runtime.models import load_model
+
+    draft, draft_tokenizer = load_model(draft_model, dtype=model.dtype, device=str(model.device))
+    check_same_tokenizer(tokenizer, draft_tokenizer, model_name or "the target", draft_model)
+    return ModelDrafter(draft, vocab_size=model.config.vocab_size, **chain)

@@ -62,7 +62,7 @@ class EagleDrafter(Drafter):
         out = self._run_head(features, tokens, torch.arange(past, past + n), allowed)
         self._root_feature = out[-1]
 
-    def start(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
+    def start(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None, *_) -> None:
         self.cache = DynamicCache()
         self._root_feature = None
         if prompt_hidden is not None and len(prompt_hidden):

@@ -40,7 +40,7 @@ class MedusaDrafter(Drafter):
     def from_accuracies(cls, heads: MedusaHeads, lm_head: nn.Module, rank_accuracy, budget: int) -> MedusaDrafter:
         return cls(heads, lm_head, choose_tree_shape(rank_accuracy, budget))
 
-    def start(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
+    def start(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None, *_) -> None:
         self._feature = prompt_hidden[-1] if prompt_hidden is not None and len(prompt_hidden) else None
 
     @torch.inference_mode()

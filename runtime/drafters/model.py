@@ -1,0 +1,153 @@
+"""Draft-model drafters: a small causal LM with the target's tokenizer drafts a chain of guesses.
+
+`ModelDrafter` runs any Hugging Face causal LM autoregressively with its own KV cache. Its cache is
+kept in sync with the sequence by prefix: each round it keeps the longest common prefix of what it
+holds and the context (the accepted draft tokens are already in it), crops the rest and feeds what
+is new, the root last. At temperature 0 it drafts its greedy chain (point masses); at temperature
+> 0 it SAMPLES each token from its own distribution q — the target's temperature / top-k / top-p
+applied to the draft's logits — and records q per node, so verification accepts with min(1, p/q).
+
+`layerskip_model` makes the draft model out of the target itself: its first N decoder layers (or a
+chosen subset containing layer 0), then its final norm and lm_head. No weights are copied and the
+draft's KV cache is its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from runtime.drafters import Drafter
+from runtime.sampling import SamplingParams, target_probs
+from runtime.tree import DraftTree
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft model does not speak the target's tokenizer."""
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Refuse a draft model whose vocabulary differs from the target's in size or in any token string."""
+    a, b = target_tok.get_vocab(), draft_tok.get_vocab()
+    if a == b:
+        return
+    if len(a) != len(b):
+        detail = f"{len(a)} vs {len(b)} tokens"
+    else:
+        token, i = next((t, i) for t, i in sorted(a.items(), key=lambda kv: kv[1]) if b.get(t) != i)
+        detail = f"token {token!r} is id {i} in {target_name} but {b.get(token)} in {draft_name}"
+    raise TokenizerMismatchError(
+        f"draft model {draft_name} does not share the tokenizer of the target {target_name} ({detail})"
+    )
+
+
+def layerskip_model(model: nn.Module, layers: list[int]) -> nn.Module:
+    """A view of `model` that runs only decoder `layers` (sharing their weights), then its norm and lm_head."""
+    decoder = model.get_decoder()
+    total = len(decoder.layers)
+    if not layers or layers[0] != 0 or any(b <= a for a, b in itertools.pairwise(layers)):
+        raise ValueError(f"draft layers must be increasing and start at layer 0, got {layers}")
+    if layers[-1] >= total:
+        raise ValueError(f"the target has {total} layers (0..{total - 1}), got layer {layers[-1]}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = len(layers)  # the decoder runs layers[:num_hidden_layers]
+    config.use_cache = False  # a cache built from this config would not know the layers' own indices
+    # --- shallow copies: new module containers, the same parameters -------------------------------
+    shallow_decoder = copy.copy(decoder)
+    shallow_decoder._modules = dict(decoder._modules)
+    shallow_decoder.layers = nn.ModuleList(decoder.layers[i] for i in layers)
+    shallow_decoder.config = config
+    draft = copy.copy(model)
+    draft._modules = dict(model._modules)
+    draft.config = config
+    setattr(draft, model.base_model_prefix, shallow_decoder)
+    # ------------------------------------------------------------------------------------------------
+    return draft
+
+
+class LayerSubsetCache(DynamicCache):
+    """The KV cache of a layer-skip view: its layers keep their original indices (0, 2, 5, ...), which
+    this cache maps to its own slots 0, 1, 2, ... The target's layers are shared, so they cannot be
+    renumbered."""
+
+    def __init__(self, layers: list[int]) -> None:
+        super().__init__()
+        self.slot = {layer: i for i, layer in enumerate(layers)}
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return super().update(key_states, value_states, self.slot[layer_idx], *args, **kwargs)
+
+
+class ModelDrafter(Drafter):
+    name = "model"
+
+    def __init__(
+        self, model: nn.Module, depth: int = 4, vocab_size: int | None = None, layers: list[int] | None = None
+    ) -> None:
+        """`layers`: the original indices of a layer-skip view's layers (`layerskip_model`), None for a real model."""
+        if depth < 1:
+            raise ValueError(f"draft depth must be >= 1, got {depth}")
+        self.model, self.depth, self.layers = model, depth, layers
+        self.vocab_size = vocab_size or model.config.vocab_size  # the target's V: q rows have this length
+        self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.sampling = SamplingParams()
+        self.generator = torch.Generator(device=model.device)
+        self._reset()
+
+    @classmethod
+    def layerskip(cls, target: nn.Module, layers: list[int], **options) -> ModelDrafter:
+        """Draft with the target's own decoder `layers` (increasing, from layer 0), norm and lm_head."""
+        drafter = cls(layerskip_model(target, layers), layers=layers, **options)
+        drafter.name = "layerskip"
+        return drafter
+
+    def _reset(self) -> None:
+        self.cache = LayerSubsetCache(self.layers) if self.layers is not None else DynamicCache()
+        self.cached: list[int] = []  # the tokens whose K/V the draft cache holds
+
+    def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
+        self._reset()
+        self.sampling = sampling or SamplingParams()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed + 1)  # not the verifier's stream
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Append `tokens` to the draft cache; the draft's logits after the last one, (V_target,)."""
+        ids = torch.tensor([tokens], device=self.model.device)
+        logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        self.cached += tokens
+        V = self.vocab_size
+        if logits.shape[-1] >= V:
+            return logits[:V]  # rows past the tokenizer's ids are padding
+        return torch.cat([logits, logits.new_full((V - logits.shape[-1],), float("-inf"))])
+
+    @torch.inference_mode()
+    def propose(self, context: list[int]) -> DraftTree:
+        if len(context) + self.depth > self.max_len:
+            return DraftTree()
+        keep = 0
+        limit = min(len(self.cached), len(context) - 1)  # the root is always fed: its logits are needed
+        while keep < limit and self.cached[keep] == context[keep]:
+            keep += 1
+        if keep < len(self.cached):
+            self.cache.crop(keep - len(self.cached))
+            self.cached = self.cached[:keep]
+        logits = self._feed(context[keep:])
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for step in range(self.depth):
+            if self.sampling.greedy:
+                tokens.append(int(logits.argmax()))
+            else:
+                q = target_probs(logits, self.sampling)  # (V,) the distribution really sampled from
+                tokens.append(int(torch.multinomial(q, 1, generator=self.generator)))
+                rows.append(q)
+            if step < self.depth - 1:
+                logits = self._feed(tokens[-1:])
+        return DraftTree(tokens, list(range(-1, self.depth - 1)), torch.stack(rows) if rows else None)
