@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
     sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
+    sv.add_argument("--step-aside-queue", type=int, default=None,
+                    help="decode plainly while more than this many requests wait (default: never)")  # fmt: skip
+    sv.add_argument("--min-acceptance", type=float, default=None,
+                    help="decode plainly a while when recent rounds make fewer tokens a pass")  # fmt: skip
 
     lt = sub.add_parser("loadtest", help="latency and throughput of a running `headstart serve`")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
@@ -202,7 +206,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag, value in (("--max-queue", args.max_queue), ("--time-limit", args.time_limit)):
         if value is not None and value <= 0:
             raise UserError(f"{flag} must be > 0, got {value}")
-    options = {"max_queue": args.max_queue, "time_limit_s": args.time_limit}
+    if args.step_aside_queue is not None and args.step_aside_queue < 0:
+        raise UserError(f"--step-aside-queue must be >= 0, got {args.step_aside_queue}")
+    options = {"max_queue": args.max_queue, "time_limit_s": args.time_limit, "step_aside_queue": args.step_aside_queue,
+               "min_acceptance": args.min_acceptance}  # fmt: skip
     config = ServeConfig(args.served_model_name or args.model, **{k: v for k, v in options.items() if v is not None})
     engine = _load_engine(args)
     print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({dataclasses.asdict(config)})",

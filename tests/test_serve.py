@@ -275,3 +275,38 @@ def test_loadtest_reports_every_level(server, tmp_path, capsys):
     assert [lv["requests"] for lv in levels] == [2, 6]
     assert all(lv["tokens_per_s"] > 0 and lv["p95_latency_s"] >= lv["p50_latency_s"] > 0 for lv in levels)
     assert main(["loadtest", "--url", "http://127.0.0.1:9"]) == 2
+
+
+def test_speculation_steps_aside_when_the_queue_fills(tiny_model_dir):
+    """step_aside_queue=0: any waiting request makes the running one decode plainly; outputs unchanged."""
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup", delay_s=0.01), step_aside_queue=0)
+    try:
+        client = live.client()
+
+        def ask(i: int) -> str:
+            out = client.completions.create(model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=24, temperature=0)
+            return out.choices[0].text
+
+        sequential = [ask(i) for i in range(4)]  # alone: plain rounds only where lookup finds no match
+        plain_alone = live.metric("headstart_rounds_total", mode="plain")
+        spec_alone = live.metric("headstart_rounds_total", mode="speculative")
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, range(4))) == sequential
+        plain_busy = live.metric("headstart_rounds_total", mode="plain") - plain_alone
+        spec_busy = live.metric("headstart_rounds_total", mode="speculative") - spec_alone
+        assert plain_busy > plain_alone and spec_busy < spec_alone
+    finally:
+        live.close()
+
+
+def test_acceptance_gate_backs_off_and_probes_again():
+    from runtime.drafters.gate import AcceptanceGate
+
+    gate = AcceptanceGate(min_acceptance=1.5, window=4, backoff=3)
+    for tokens in (1, 2, 1, 1):  # mean 1.25 < 1.5 over a full window
+        assert gate.speculate()
+        gate.record(tokens)
+    assert [gate.speculate() for _ in range(4)] == [False, False, False, True]  # 3 plain rounds, then a probe
+    for tokens in (3, 2, 2, 1):  # mean 2.0: keeps speculating
+        gate.record(tokens)
+        assert gate.speculate()

@@ -37,11 +37,14 @@ class ServeConfig:
     time_limit_s: float = 300.0  # per request, from the start of its generation
     default_max_tokens: int = 512  # when a request gives none (capped by what the context has left)
     retry_after_s: int = 5  # the Retry-After of a 429
+    step_aside_queue: int | None = None  # decode plainly while more requests than this wait; None = never
+    min_acceptance: float | None = None  # decode plainly a while when recent rounds accept less; None = never
 
 
 def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
     metrics = ServerMetrics()
-    worker = Worker(engine, metrics, config.max_queue, config.time_limit_s)
+    worker = Worker(engine, metrics, config.max_queue, config.time_limit_s, config.step_aside_queue,
+                    config.min_acceptance)  # fmt: skip
 
     async def lifespan(app: FastAPI):
         worker.start()

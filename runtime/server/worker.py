@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from runtime.drafters.gate import AcceptanceGate, GatedDrafter
 from runtime.engine import Engine, TextDecoder
 from runtime.generate import GenerationStats
 from runtime.sampling import SamplingParams
@@ -44,9 +45,23 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int, time_limit_s: float) -> None:
+    """`step_aside_queue`: decode plainly while more requests than this wait (None: never);
+    `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics,
+        max_queue: int,
+        time_limit_s: float,
+        step_aside_queue: int | None = None,
+        min_acceptance: float | None = None,
+    ) -> None:
         self.engine, self.metrics, self.time_limit_s = engine, metrics, time_limit_s
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        gate = AcceptanceGate(min_acceptance) if min_acceptance else None
+        speculate = (lambda: self.jobs.qsize() <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
+        engine.drafter = GatedDrafter(engine.drafter, speculate, gate)  # the worker's engine: not shared
         self.thread = threading.Thread(target=self._run, name="headstart-worker", daemon=True)
 
     def start(self) -> None:
