@@ -71,3 +71,26 @@ def test_demo_with_shipped_heads_is_identical(capsys):
     assert main(["demo", "--max-new-tokens", "32"]) == 0
     out = capsys.readouterr().out
     assert "=== overall: 3/3 identical" in out, out[-600:]
+
+
+@pytest.mark.parametrize("kind", ["layerskip", "model"])
+def test_greedy_identity_with_layerskip_and_a_draft_model(engine, prompts, kind, tmp_path):
+    """5 Spec-Bench prompts x 64 tokens, fp32: the target's first 10 layers drafting, as a view of the
+    target (layerskip) or saved as a model directory of its own and loaded back (model)."""
+    from runtime.drafters.model import layerskip_model
+
+    model, tokenizer = engine.target.model, engine.tokenizer
+    if kind == "model":
+        layerskip_model(model, list(range(10))).save_pretrained(tmp_path / "draft")
+        tokenizer.save_pretrained(tmp_path / "draft")
+        engine.drafter = make_drafter("model", model, tokenizer, draft_model=str(tmp_path / "draft"))
+    else:
+        engine.drafter = make_drafter("layerskip", model, tokenizer, draft_layers=10)
+    accepted = 0
+    for prompt in prompts:
+        ids = engine.encode(prompt.text)
+        hf = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64)[0, len(ids) :].tolist()
+        result = engine.generate(ids, max_new_tokens=64)
+        assert result.token_ids == hf, f"{kind} differs from generate on {prompt.category}/{prompt.id}"
+        accepted += sum(result.stats.accepted_per_depth)
+    assert accepted > 0
