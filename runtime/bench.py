@@ -7,6 +7,8 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   lookup     our loop with the prompt-lookup drafter
   medusa     our loop with trained Medusa heads (--medusa-heads DIR, default: the shipped ones)
   eagle      our loop with a trained EAGLE head (--eagle-heads DIR, default: the shipped one)
+  layerskip  our loop, the target's first --draft-layers layers drafting
+  model      our loop, a small draft model (--draft-model) drafting
 Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart
 of speedup and acceptance length per category and method.
 """
@@ -28,7 +30,7 @@ from runtime.generate import GenerationStats
 from runtime.prompts import load_prompts
 from runtime.sampling import SamplingParams
 
-METHODS = ("plain", "hf", "hf-lookup", "lookup", "medusa", "eagle")
+METHODS = ("plain", "hf", "hf-lookup", "lookup", "medusa", "eagle", "layerskip", "model")
 DEFAULT_PROMPTS = "../shared/data/eval/spec_bench.jsonl"
 
 
@@ -93,10 +95,12 @@ def run_bench(
     seed: int = 0,
     heads: dict[str, str | None] | None = None,
     model_name: str | None = None,
+    **draft_options: str | None,
 ) -> list[Record]:
     """Every method on every prompt and temperature.
 
     `heads` maps medusa/eagle to checkpoint directories; missing ones are the heads shipped for `model_name`.
+    `draft_options` (draft_layers, draft_model) go to the layerskip and model drafters.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -104,7 +108,9 @@ def run_bench(
     heads = heads or {}
     model, tokenizer = engine.target.model, engine.tokenizer
     drafters = {
-        m: make_drafter("none" if m == "plain" else m, model, tokenizer, heads.get(m), model_name=model_name)
+        m: make_drafter(
+            "none" if m == "plain" else m, model, tokenizer, heads.get(m), model_name=model_name, **draft_options
+        )
         for m in methods
         if m not in ("hf", "hf-lookup")
     }

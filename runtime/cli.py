@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from runtime.bench import METHODS
 from runtime.models import DEFAULT_MODEL, DTYPES
 from runtime.prompts import Prompt, load_prompts
 from runtime.sampling import SamplingParams
@@ -67,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
     _add_model_args(b, "bfloat16")
     b.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
-    b.add_argument("--methods", default="plain,hf,lookup", help="comma list of plain,hf,hf-lookup,lookup,medusa,eagle")
+    b.add_argument("--methods", default="plain,hf,lookup", help="comma list of " + ",".join(METHODS))
     b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
+    b.add_argument("--draft-layers", default=None, help="layerskip: N first layers or a list 0,1,2,5")
+    b.add_argument("--draft-model", default=None, help="model: the draft model")
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
     b.add_argument("--categories", default=None, help="comma list of categories (default: all)")
     b.add_argument("--limit-per-category", type=int, default=None)
@@ -292,7 +295,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
     records = bench.run_bench(
         engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed,
-        heads, args.model,
+        heads, args.model, draft_layers=args.draft_layers, draft_model=args.draft_model,
     )  # fmt: skip
     table = bench.summarize(records)
     machine = (
