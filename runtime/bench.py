@@ -32,6 +32,8 @@ from runtime.sampling import SamplingParams
 
 METHODS = ("plain", "hf", "hf-lookup", "lookup", "medusa", "eagle", "layerskip", "model")
 DEFAULT_PROMPTS = "../shared/data/eval/spec_bench.jsonl"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SPEC_BENCH_GROUPS = {c: "mt_bench" for c in MT_BENCH}  # Spec-Bench's six categories: MT-bench is one of them
 
 
 @dataclass
@@ -114,7 +116,7 @@ def run_bench(
         for m in methods
         if m not in ("hf", "hf-lookup")
     }
-    prompts = load_prompts(prompts_file, categories, limit_per_category)
+    prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection
         run_method(engine, method, drafters, encoded[0], SamplingParams(), 16, seed)

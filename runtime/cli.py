@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-layers", default=None, help="layerskip: N first layers or a list 0,1,2,5")
     b.add_argument("--draft-model", default=None, help="model: the draft model")
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
-    b.add_argument("--categories", default=None, help="comma list of categories (default: all)")
+    b.add_argument("--categories", default=None, help="comma list (default: all six; mt_bench = the 8 of MT-bench)")
     b.add_argument("--limit-per-category", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--seed", type=int, default=0)

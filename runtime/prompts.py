@@ -23,9 +23,14 @@ def load_prompts(
     permissive_only: bool = False,
     limit: int | None = None,
     skip_malformed: bool = False,
+    groups: dict[str, str] | None = None,
 ) -> list[Prompt]:
     """The first turn of each row, optionally filtered: some categories only, at most `limit_per_category`
     each, rows marked `permissive: true` only, the first `limit` in all.
+
+    `groups` renames categories before filtering (Spec-Bench's eight MT-bench categories are one:
+    `mt_bench`); a grouped category's `limit_per_category` prompts are then taken in turn from each
+    of its original categories, so that a few prompts still cover them all.
 
     A malformed line is an error naming it, or with `skip_malformed` skipped with one warning that
     counts them. Ids are made unique (`id#n`) when the file repeats one.
@@ -35,6 +40,7 @@ def load_prompts(
         raise ValueError(f"prompts file not found: {path}")
     prompts: list[Prompt] = []
     per_category: dict[str, int] = {}
+    members: dict[str, dict[str, list[Prompt]]] = {}  # grouped category -> original category -> prompts
     bad = 0
     with path.open() as f:
         for line_no, line in enumerate(f, 1):
@@ -52,15 +58,22 @@ def load_prompts(
                     ) from e
                 bad += 1
                 continue
-            category = str(row.get("category", ""))
+            original = str(row.get("category", ""))
+            category = (groups or {}).get(original, original)
             if (categories and category not in categories) or (permissive_only and row.get("permissive") is not True):
                 continue
-            if limit_per_category is not None and per_category.get(category, 0) >= limit_per_category:
+            grouped = category != original
+            if not grouped and limit_per_category is not None and per_category.get(category, 0) >= limit_per_category:
                 continue
             per_category[category] = per_category.get(category, 0) + 1
             prompts.append(Prompt(str(row.get("id", line_no)), category, text))
+            if grouped:
+                members.setdefault(category, {}).setdefault(original, []).append(prompts[-1])
             if limit is not None and len(prompts) >= limit:
                 break
+    if limit_per_category is not None and members:
+        keep = {id(p) for by_original in members.values() for p in _in_turn(by_original, limit_per_category)}
+        prompts = [p for p in prompts if p.category not in members or id(p) in keep]
     if bad:
         print(f"headstart: warning: skipped {bad} malformed line(s) in {path}", file=sys.stderr)
     if not prompts:
@@ -68,3 +81,14 @@ def load_prompts(
     if len({p.id for p in prompts}) != len(prompts):
         prompts = [Prompt(f"{p.id}#{i}", p.category, p.text) for i, p in enumerate(prompts)]
     return prompts
+
+
+def _in_turn(by_original: dict[str, list[Prompt]], n: int) -> list[Prompt]:
+    """The first `n` prompts taking one from each original category in turn."""
+    queues = [list(v) for v in by_original.values()]
+    out: list[Prompt] = []
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
