@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--drafter", default="eagle", choices=["lookup", "medusa", "eagle"],
-                   help="the speculative side (medusa, eagle: the heads shipped for --model)")  # fmt: skip
+    d.add_argument("--drafter", default="lookup", choices=["lookup", "medusa", "eagle"],
+                   help="speculative side: lookup (fastest here) or the heads shipped for --model")  # fmt: skip
     return parser
 
 

@@ -56,7 +56,7 @@ def _decode(engine: Engine, prompt_ids: list[int], drafter: Drafter, max_new_tok
     return ids, stats, time.perf_counter() - t0
 
 
-def run_demo(model: str, dtype: str, device: str, max_new_tokens: int, drafter: str = "eagle") -> int:
+def run_demo(model: str, dtype: str, device: str, max_new_tokens: int, drafter: str = "lookup") -> int:
     """Plain vs `drafter` on the built-in prompts; trained drafters use the heads shipped for `model`."""
     print(f"headstart demo: loading {model} ({dtype}, {device}) ...", flush=True)
     engine = Engine.load(model, dtype=dtype, device=device)
