@@ -72,7 +72,8 @@ def make_drafter(
     if heads is None and model_name is not None:
         heads = shipped_heads(model_name, name)
     if heads is None or model is None:
-        raise ValueError(f"the {name} drafter needs trained heads (--heads DIR): none are shipped for {model_name}")
+        shipped = f": none are shipped for {model_name}" if model_name else ""
+        raise ValueError(f"the {name} drafter needs trained heads (--heads DIR){shipped}")
     module, config = load_heads(heads, model, tokenizer)
     if config["kind"] != name:
         raise ValueError(f"{heads} holds {config['kind']} heads, not {name} heads")
