@@ -43,6 +43,7 @@ class DraftReadout:
         weight = lm_head.weight.detach()  # (V, H), frozen
         self.ids = None if ids is None else ids.to(weight.device)
         self.weight = weight if self.ids is None else weight[self.ids]  # (N, H)
+        self._lookup = None  # target id -> draft index (-1: not kept), built once on first use
 
     @property
     def size(self) -> int:
@@ -57,6 +58,7 @@ class DraftReadout:
     def to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.ids is None:
             return token_ids
-        lookup = torch.full((int(self.ids.max()) + 2,), -1, dtype=torch.long, device=self.ids.device)
-        lookup[self.ids] = torch.arange(len(self.ids), device=self.ids.device)
-        return lookup[token_ids.clamp(max=len(lookup) - 1)]
+        if self._lookup is None:
+            self._lookup = torch.full((int(self.ids.max()) + 2,), -1, dtype=torch.long, device=self.ids.device)
+            self._lookup[self.ids] = torch.arange(len(self.ids), device=self.ids.device)
+        return self._lookup[token_ids.clamp(max=len(self._lookup) - 1)]

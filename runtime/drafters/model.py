@@ -108,6 +108,7 @@ class ModelDrafter(Drafter):
     def _reset(self) -> None:
         self.cache = LayerSubsetCache(self.layers) if self.layers is not None else DynamicCache()
         self.cached: list[int] = []  # the tokens whose K/V the draft cache holds
+        self.agreed = 0  # a prefix of the context known to equal the start of `cached`
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self._reset()
@@ -131,14 +132,17 @@ class ModelDrafter(Drafter):
     def propose(self, context: list[int]) -> DraftTree:
         if len(context) + self.depth > self.max_len:
             return DraftTree()
-        keep = 0
+        # Within a sequence the context only grows, so its first `agreed` tokens still match the cache:
+        # compare only past them (not the whole prefix every round).
         limit = min(len(self.cached), len(context) - 1)  # the root is always fed: its logits are needed
+        keep = min(self.agreed, limit)
         while keep < limit and self.cached[keep] == context[keep]:
             keep += 1
         if keep < len(self.cached):
             self.cache.crop(keep - len(self.cached))
             self.cached = self.cached[:keep]
         logits = self._feed(context[keep:])
+        self.agreed = len(context)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for step in range(self.depth):
