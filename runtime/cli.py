@@ -31,9 +31,12 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa", "eagle", "model", "layerskip"])
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
-    p.add_argument("--tree-budget", type=int, default=None, help="nodes per tree (medusa default: saved shape)")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="nodes per tree (default: medusa the saved shape, others 16)")  # fmt: skip
     p.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
-    p.add_argument("--tree-top-k", type=int, default=None, help="eagle: nodes expanded and children per node")
+    p.add_argument("--tree-top-k", type=int, default=None,
+                   help="eagle, model, layerskip: nodes expanded and children per node (model, layerskip: 1 = a chain, "
+                   "the default)")  # fmt: skip
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
 

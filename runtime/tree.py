@@ -89,3 +89,19 @@ def tree_attention_inputs(
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     positions = torch.tensor([past_len, *(past_len + d for d in tree.depths)])
     return mask[None, None].to(device), positions[None].to(device)
+
+
+def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:
+    """The `budget` nodes of highest cumulative log-prob as a DraftTree: by depth, siblings best first."""
+    keep = sorted(range(len(tokens)), key=lambda i: -scores[i])[:budget]
+    kept = set(keep)
+    for i in keep:  # ties aside, a child never outranks its parent; keep ancestors all the same
+        while parents[i] >= 0 and parents[i] not in kept:
+            i = parents[i]
+            kept.add(i)
+    depth = {}
+    for i in sorted(kept):  # parents have smaller indices than their children
+        depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
+    order = sorted(kept, key=lambda i: (depth[i], -scores[i]))
+    new_index = {old: new for new, old in enumerate(order)}
+    return DraftTree([tokens[i] for i in order], [new_index.get(parents[i], -1) for i in order])

@@ -9,6 +9,7 @@ from runtime.drafters import Drafter, make_drafter
 from runtime.drafters.model import ModelDrafter, TokenizerMismatchError, check_same_tokenizer, layerskip_model
 from runtime.sampling import SamplingParams
 from runtime.target import Target
+from runtime.tree import DraftTree, rerank
 from tests.conftest import tiny_llama, tiny_tokenizer
 from tests.exactness import assert_first_three_follow_target, assert_greedy_identity, generate_ids, sampling_model
 
@@ -102,6 +103,73 @@ def test_sampled_drafts_carry_their_q():
     assert drafter.propose([1, 2, 3]).draft_probs is None  # greedy: point masses
 
 
+def reference_tree(model, context: list[int], depth: int, top_k: int, budget: int) -> DraftTree:
+    """The dynamic tree drafted naively: a fresh forward without cache or mask for every expanded path."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+
+    def add_children(parent: int, base: float) -> list[int]:
+        path, node = [], parent
+        while node >= 0:
+            path.insert(0, tokens[node])
+            node = parents[node]
+        logits = model(input_ids=torch.tensor([context + path]), use_cache=False).logits[0, -1]
+        top = logits.float().log_softmax(-1).topk(top_k)
+        new = list(range(len(tokens), len(tokens) + top_k))
+        tokens.extend(top.indices.tolist())
+        parents.extend([parent] * top_k)
+        scores.extend(base + lp for lp in top.values.tolist())
+        return new
+
+    frontier = add_children(-1, 0.0)
+    for _ in range(depth - 1):
+        expand = sorted(frontier, key=lambda i: -scores[i])[:top_k]
+        frontier = [child for node in expand for child in add_children(node, scores[node])]
+    return rerank(tokens, parents, scores, budget)
+
+
+@pytest.mark.parametrize("layers", [[0], [0, 2]], ids=["first-1", "subset-0-2"])
+def test_drafted_tree_equals_the_naive_dynamic_tree(layers):
+    """Tree mode, across rounds of a real generation: every proposed tree equals the one built with a fresh
+    uncached forward per expanded path (so the tree mask, positions and cache crops are right)."""
+    model = tiny_llama(layers=3, init_std=0.3)
+    drafter = ModelDrafter.layerskip(model, layers, depth=3, top_k=3, budget=8)
+    seen = []
+
+    class Spy(Drafter):
+        def start(self, *args):
+            drafter.start(*args)
+
+        def propose(self, context):
+            tree = drafter.propose(context)
+            seen.append((tree, reference_tree(drafter.model, context, 3, 3, 8)))
+            return tree
+
+    generate_ids(Target(model), [3, 4, 5, 6], Spy(), max_new_tokens=20)
+    assert len(seen) >= 3 and any(max(tree.depths) == 3 for tree, _ in seen)
+    for tree, expected in seen:
+        assert len(tree) == 8
+        assert (tree.tokens, tree.parents) == (expected.tokens, expected.parents)
+
+
+def test_greedy_identity_draft_trees():
+    model = tiny_llama(layers=2, init_std=0.3)
+    for drafter in (
+        ModelDrafter.layerskip(model, [0], depth=4, top_k=3, budget=10),
+        ModelDrafter(first_layer_copy(model), depth=3, top_k=2, budget=6),
+    ):
+        assert assert_greedy_identity(model, drafter, PROMPTS) > 0
+
+
+def test_sampling_with_draft_trees_follows_plain_sampling():
+    """Tree mode at T=0.8 / top-p 0.9: point-mass nodes, the first 3 tokens keep the target's distribution
+    (400 runs; fails when the chi-square p-value is below 1e-3, probability 0.1 % for a correct one)."""
+    model = sampling_model()
+    drafter = ModelDrafter.layerskip(model, [0], depth=3, top_k=2, budget=6)
+    assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter, runs=400)
+
+
 def test_tokenizer_mismatch_is_refused_naming_both(tiny_model_dir, tmp_path):
     tok = tiny_tokenizer()
     other = tiny_tokenizer()
@@ -143,3 +211,7 @@ def test_model_drafter_from_a_saved_directory(tiny_model_dir, tmp_path):
             make_drafter("layerskip", model, tokenizer, **bad)
     with pytest.raises(ValueError, match="--draft-model"):
         make_drafter("model", model, tokenizer)
+    tree = make_drafter("layerskip", model, tokenizer, draft_layers=1, tree_top_k=3, tree_budget=8)
+    assert (tree.top_k, tree.budget, tree.depth) == (3, 8, 4)  # depth: the chain's default
+    with pytest.raises(ValueError, match="top_k and budget must be >= 1"):
+        make_drafter("layerskip", model, tokenizer, draft_layers=1, tree_top_k=0)

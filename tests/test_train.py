@@ -185,7 +185,6 @@ def test_fixed_batch_losses_are_pinned(kind):
     from train.losses import eagle_loss, medusa_loss
 
     model = tiny_llama(vocab_size=64, init_std=0.2)
-    torch.manual_seed(0)
     heads = build_heads(kind, model)
     if kind == "medusa":
         for p in heads.parameters():  # zero-initialised blocks would make every head equal at step 0
@@ -284,3 +283,40 @@ def test_every_checked_in_config_loads_and_shows_its_launch_command():
         cfg = load_config(path)
         assert "accelerate launch train/heads.py --config configs/" + path.name in path.read_text(), path
         assert all(k in ("medusa", "eagle") for k in cfg.heads.kind.split(","))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
+    """data.features: the cached target features train exactly like running the target every step."""
+    from train.data import load_rows
+    from train.features import CHUNK, FeatureCache
+
+    live = make_cfg(tmp_path, tiny_model_dir, kind)
+    cached = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features")})
+    model, tokenizer = train_heads.load_target(live)
+    rows = load_rows(live.data.path, live.data.max_len)
+
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    a = train_heads.Trainer(live, acc, model, tokenizer, rows)
+    b = train_heads.Trainer(cached, acc, model, tokenizer, rows)
+    b.heads.load_state_dict(a.heads.state_dict())  # the same initial heads
+    for index in range(3):
+        batch = a.micro_batch(index)
+        assert torch.equal(batch["input_ids"], b.micro_batch(index)["input_ids"])
+        torch.manual_seed(index)  # EAGLE's feature noise
+        live_loss = a.loss(batch)
+        torch.manual_seed(index)
+        cached_loss = b.loss(batch)
+        torch.testing.assert_close(cached_loss, live_loss, rtol=1e-5, atol=1e-6)
+
+    # a second run reuses every chunk; a chunk whose rows changed is computed again, the others are kept
+    cache = FeatureCache(tmp_path / "features", rows, {"target": "tiny"})
+    assert cache.missing() == list(range(cache.n_chunks))  # another target key: nothing matches
+    key = json.loads(b.features.key)
+    assert FeatureCache(tmp_path / "features", rows, key).missing() == []
+    changed = [r if r.index else train_heads.Row(r.input_ids[:-1], r.n_prompt, 0) for r in rows]
+    assert FeatureCache(tmp_path / "features", changed, key).missing() == [0] and len(rows) <= CHUNK
+    (tmp_path / "features" / "features-00000.safetensors").write_bytes(b"truncated")
+    assert FeatureCache(tmp_path / "features", rows, key).missing() == [0]

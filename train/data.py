@@ -14,6 +14,7 @@ import torch
 class Row:
     input_ids: list[int]  # prompt (chat template included) + response
     n_prompt: int  # tokens before the response: no loss there
+    index: int = -1  # position in load_rows' list (the feature cache's key)
 
 
 def load_rows(path: str | Path, max_len: int) -> list[Row]:
@@ -27,7 +28,7 @@ def load_rows(path: str | Path, max_len: int) -> list[Row]:
     rows = []
     for prompt, response in zip(data["prompt_ids"], data["response_ids"], strict=True):
         if response and len(prompt) < max_len:
-            rows.append(Row((prompt + response)[:max_len], len(prompt)))
+            rows.append(Row((prompt + response)[:max_len], len(prompt), len(rows)))
     return rows
 
 
@@ -59,7 +60,7 @@ def make_batches(rows: list[Row], batch_tokens: int, seed: int) -> list[list[int
 
 
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids (B, T), attention_mask (B, T), loss_mask (B, T): 1 on response tokens."""
+    """Right-padded input_ids (B, T), attention_mask (B, T), loss_mask (B, T): 1 on response tokens; row_index (B,)."""
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros(len(rows), width, dtype=torch.long)
@@ -69,4 +70,5 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
         ids[b, :n] = torch.tensor(row.input_ids)
         attention[b, :n] = 1
         loss_mask[b, row.n_prompt : n] = True
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    row_index = torch.tensor([row.index for row in rows])
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "row_index": row_index}

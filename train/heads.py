@@ -31,6 +31,7 @@ from heads.medusa import choose_tree_shape
 from heads.vocab import frequent_tokens
 from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from train.data import Row, collate, load_rows, make_batches, split_rows
+from train.features import FeatureCache, final_features
 from train.losses import eagle_loss, eagle_predict, head_metrics, medusa_labels, medusa_loss
 
 EVAL_TOPK = 5
@@ -81,6 +82,7 @@ class Trainer:
         self.model = model.to(accelerator.device)
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.features = self.cache_features(rows) if cfg.data.features else None
         self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
@@ -117,16 +119,24 @@ class Trainer:
 
     # ---- one loss --------------------------------------------------------------------------------
 
+    def cache_features(self, rows: list[Row]) -> FeatureCache:
+        """The target's features of every row from data.features, computing what is missing (split over processes)."""
+        acc = self.acc
+        key = {**target_fingerprint(self.model, self.tokenizer, self.cfg.target.model), "dtype": str(self.model.dtype)}
+        cache = FeatureCache(self.cfg.data.features, rows, key)
+        built = cache.build(self.model, self.pad_id, self.cfg.data.batch_tokens, acc.process_index,
+                            acc.num_processes, progress=acc.is_local_main_process)  # fmt: skip
+        acc.wait_for_everyone()
+        cache.load()
+        acc.print(f"headstart: target features of {len(rows)} rows from {cache.dir} ({built} chunks computed now)")
+        return cache
+
     def target_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Frozen target: final features (B, T, H) after the final norm."""
-        with torch.no_grad():
-            out = self.model(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                output_hidden_states=True,
-                logits_to_keep=1,
-            )
-        return out.hidden_states[-1].float()
+        """Frozen target: final features (B, T, H) after the final norm, from the cache when there is one."""
+        if self.features is not None:
+            width = batch["input_ids"].shape[1]
+            return self.features.batch(batch["row_index"].tolist(), width).to(self.acc.device).float()
+        return final_features(self.model, batch["input_ids"], batch["attention_mask"]).float()
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = self.target_features(batch)

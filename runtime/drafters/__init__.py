@@ -64,7 +64,9 @@ def make_drafter(
 
         return LookupDrafter(**options)
     if name in ("model", "layerskip"):
-        return _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, tree_depth)
+        tree = {"depth": tree_depth, "top_k": tree_top_k, "budget": tree_budget}
+        tree = {k: v for k, v in tree.items() if v is not None}
+        return _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, tree)
     if name not in ("medusa", "eagle"):
         raise ValueError(f"unknown drafter '{name}': choose none, lookup, medusa, eagle, model or layerskip")
     from heads.checkpoint import load_heads, shipped_heads
@@ -95,12 +97,11 @@ def make_drafter(
     return MedusaDrafter(module, model.get_output_embeddings(), shape)
 
 
-def _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, depth) -> Drafter:
+def _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, tree: dict) -> Drafter:
     from runtime.drafters.model import ModelDrafter, check_same_tokenizer
 
     if model is None:
         raise ValueError(f"the {name} drafter needs the target model")
-    chain = {"depth": depth} if depth is not None else {}
     if name == "layerskip":
         if draft_layers is None:
             raise ValueError("the layerskip drafter needs --draft-layers N (or a list such as 0,1,2,5)")
@@ -113,11 +114,11 @@ def _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_l
                 raise ValueError(
                     f"--draft-layers takes N or a comma list of layer indices, got {draft_layers!r}"
                 ) from None
-        return ModelDrafter.layerskip(model, layers, **chain)
+        return ModelDrafter.layerskip(model, layers, **tree)
     if draft_model is None:
         raise ValueError("the model drafter needs --draft-model PATH_OR_NAME")
     from runtime.models import load_model
 
     draft, draft_tokenizer = load_model(draft_model, dtype=model.dtype, device=str(model.device))
     check_same_tokenizer(tokenizer, draft_tokenizer, model_name or "the target", draft_model)
-    return ModelDrafter(draft, vocab_size=model.config.vocab_size, **chain)
+    return ModelDrafter(draft, vocab_size=model.config.vocab_size, **tree)

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from heads.eagle import EagleHead
 from runtime.drafters import Drafter
-from runtime.tree import DraftTree
+from runtime.tree import DraftTree, rerank
 
 
 def _mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -117,19 +117,3 @@ class EagleDrafter(Drafter):
         if slot:
             self.cache.crop(-len(slot))  # drafted entries never stay in the head's cache
         return rerank(tokens, parents, scores, self.budget)
-
-
-def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:
-    """The `budget` nodes of highest cumulative log-prob as a DraftTree: by depth, siblings best first."""
-    keep = sorted(range(len(tokens)), key=lambda i: -scores[i])[:budget]
-    kept = set(keep)
-    for i in keep:  # ties aside, a child never outranks its parent; keep ancestors all the same
-        while parents[i] >= 0 and parents[i] not in kept:
-            i = parents[i]
-            kept.add(i)
-    depth = {}
-    for i in sorted(kept):  # parents have smaller indices than their children
-        depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
-    order = sorted(kept, key=lambda i: (depth[i], -scores[i]))
-    new_index = {old: new for new, old in enumerate(order)}
-    return DraftTree([tokens[i] for i in order], [new_index.get(parents[i], -1) for i in order])

@@ -3,9 +3,15 @@
 `ModelDrafter` runs any Hugging Face causal LM autoregressively with its own KV cache. Its cache is
 kept in sync with the sequence by prefix: each round it keeps the longest common prefix of what it
 holds and the context (the accepted draft tokens are already in it), crops the rest and feeds what
-is new, the root last. At temperature 0 it drafts its greedy chain (point masses); at temperature
-> 0 it SAMPLES each token from its own distribution q — the target's temperature / top-k / top-p
-applied to the draft's logits — and records q per node, so verification accepts with min(1, p/q).
+is new, the root last.
+
+Chain (the default, top_k = 1): at temperature 0 its greedy chain (point masses); at temperature > 0
+it SAMPLES each token from its own distribution q — the target's temperature / top-k / top-p applied
+to the draft's logits — and records q per node, so verification accepts with min(1, p/q).
+Tree (top_k > 1): the EAGLE-2 dynamic tree over the draft model's own log-probabilities — depth by
+depth the `top_k` best frontier nodes (by cumulative log-probability) are expanded in one draft
+forward with a tree mask over its cache, each gets its `top_k` likeliest children, and the best
+`budget` nodes are kept. Every tree node is a deterministic guess (a point mass), at any temperature.
 
 `layerskip_model` makes the draft model out of the target itself: its first N decoder layers (or a
 chosen subset containing layer 0), then its final norm and lm_head. No weights are copied and the
@@ -23,7 +29,7 @@ from transformers import DynamicCache
 
 from runtime.drafters import Drafter
 from runtime.sampling import SamplingParams, target_probs
-from runtime.tree import DraftTree
+from runtime.tree import DraftTree, rerank
 
 
 class TokenizerMismatchError(ValueError):
@@ -86,12 +92,19 @@ class ModelDrafter(Drafter):
     name = "model"
 
     def __init__(
-        self, model: nn.Module, depth: int = 4, vocab_size: int | None = None, layers: list[int] | None = None
+        self,
+        model: nn.Module,
+        depth: int = 4,
+        top_k: int = 1,
+        budget: int = 16,
+        vocab_size: int | None = None,
+        layers: list[int] | None = None,
     ) -> None:
-        """`layers`: the original indices of a layer-skip view's layers (`layerskip_model`), None for a real model."""
-        if depth < 1:
-            raise ValueError(f"draft depth must be >= 1, got {depth}")
-        self.model, self.depth, self.layers = model, depth, layers
+        """top_k = 1: a chain of `depth`; > 1: a tree of at most `budget` nodes. `layers`: the original
+        indices of a layer-skip view's layers (`layerskip_model`), None for a real model."""
+        if min(depth, top_k, budget) < 1:
+            raise ValueError(f"draft depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
+        self.model, self.depth, self.top_k, self.budget, self.layers = model, depth, top_k, budget, layers
         self.vocab_size = vocab_size or model.config.vocab_size  # the target's V: q rows have this length
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.sampling = SamplingParams()
@@ -118,20 +131,30 @@ class ModelDrafter(Drafter):
         else:
             self.generator.manual_seed(seed + 1)  # not the verifier's stream
 
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V_draft) -> (..., V_target): rows past the tokenizer's ids are padding; missing ones -inf."""
+        V = self.vocab_size
+        if logits.shape[-1] >= V:
+            return logits[..., :V]
+        pad = logits.new_full((*logits.shape[:-1], V - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Append `tokens` to the draft cache; the draft's logits after the last one, (V_target,)."""
         ids = torch.tensor([tokens], device=self.model.device)
         logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         self.cached += tokens
-        V = self.vocab_size
-        if logits.shape[-1] >= V:
-            return logits[:V]  # rows past the tokenizer's ids are padding
-        return torch.cat([logits, logits.new_full((V - logits.shape[-1],), float("-inf"))])
+        return self._to_target_vocab(logits)
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
         if len(context) + self.depth > self.max_len:
             return DraftTree()
+        logits = self._sync(context)
+        return self._draft_chain(logits) if self.top_k == 1 else self._draft_tree(logits)
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Bring the draft cache to `context` (all of it, the root last); the draft's logits after the root."""
         # Within a sequence the context only grows, so its first `agreed` tokens still match the cache:
         # compare only past them (not the whole prefix every round).
         limit = min(len(self.cached), len(context) - 1)  # the root is always fed: its logits are needed
@@ -143,6 +166,10 @@ class ModelDrafter(Drafter):
             self.cached = self.cached[:keep]
         logits = self._feed(context[keep:])
         self.agreed = len(context)
+        return logits
+
+    def _draft_chain(self, logits: torch.Tensor) -> DraftTree:
+        """`depth` tokens, each fed back: greedy, or sampled from q (recorded) at temperature > 0."""
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for step in range(self.depth):
@@ -155,3 +182,48 @@ class ModelDrafter(Drafter):
             if step < self.depth - 1:
                 logits = self._feed(tokens[-1:])
         return DraftTree(tokens, list(range(-1, self.depth - 1)), torch.stack(rows) if rows else None)
+
+    def _draft_tree(self, root_logits: torch.Tensor) -> DraftTree:
+        """EAGLE-2's dynamic tree over the draft model's log-probabilities (point masses); see the module doc."""
+        past = len(self.cached)  # the context: the root sits at position past - 1
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []  # cumulative log-probability of each node's path
+        slot: dict[int, int] = {}  # expanded node -> index of its entry among the drafted cache entries
+
+        def add_children(parent: int, logits: torch.Tensor, base: float) -> list[int]:
+            top = logits.float().log_softmax(-1).topk(self.top_k)
+            new = list(range(len(tokens), len(tokens) + self.top_k))
+            tokens.extend(top.indices.tolist())
+            parents.extend([parent] * self.top_k)
+            scores.extend(base + lp for lp in top.values.tolist())
+            return new
+
+        frontier = add_children(-1, root_logits, 0.0)
+        for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
+            expand = sorted(frontier, key=lambda i: -scores[i])[: self.top_k]
+            drafted = len(slot)
+            allowed = torch.zeros(len(expand), past + drafted + len(expand), dtype=torch.bool)  # (m, past+d+m)
+            allowed[:, :past] = True
+            for row, node in enumerate(expand):
+                slot[node] = drafted + row
+                ancestor = node
+                while ancestor >= 0:  # itself and its ancestors, all expanded at earlier depths
+                    allowed[row, past + slot[ancestor]] = True
+                    ancestor = parents[ancestor]
+            dtype, device = self.model.dtype, self.model.device
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+            out = self.model(
+                input_ids=torch.tensor([[tokens[n] for n in expand]], device=device),
+                attention_mask=mask[None, None].to(device),  # (1, 1, m, past+d+m) float
+                position_ids=torch.full((1, len(expand)), past - 1 + depth, device=device),
+                cache=self.cache,
+                use_cache=True,
+            )
+            logits = self._to_target_vocab(out.logits[0])  # (m, V)
+            frontier = []
+            for row, node in enumerate(expand):
+                frontier += add_children(node, logits[row], scores[node])
+        if slot:
+            self.cache.crop(-len(slot))  # drafted entries never stay in the draft cache
+        return rerank(tokens, parents, scores, self.budget)
