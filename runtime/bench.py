@@ -9,6 +9,8 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   eagle      our loop with a trained EAGLE head (--eagle-heads DIR, default: the shipped one)
   layerskip  our loop, the target's first --draft-layers layers drafting
   model      our loop, a small draft model (--draft-model) drafting
+A suffix makes a variant with the drafter's one knob set (one run can compare several):
+`layerskip:N` (layers), `model:PATH` (draft model), `medusa:B` and `eagle:B` (tree budget).
 Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart
 of speedup and acceptance length per category and method.
 """
@@ -79,6 +81,26 @@ def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingPara
     return out[0, len(ids) :].tolist(), seconds, None, None, None
 
 
+VARIANTS = {"layerskip": "draft_layers", "model": "draft_model", "medusa": "tree_budget", "eagle": "tree_budget"}
+
+
+def method_drafter(method: str, draft_options: dict) -> tuple[str, dict]:
+    """(drafter name, its options) of a method. A suffix sets the drafter's one knob for that method:
+    `layerskip:N` layers, `model:PATH` draft model, `medusa:B` / `eagle:B` tree budget."""
+    name, _, arg = method.partition(":")
+    if name not in METHODS or (arg and name not in VARIANTS):
+        raise ValueError(
+            f"unknown method {method}: choose from {', '.join(METHODS)}, layerskip:N, model:PATH, medusa:B, eagle:B"
+        )
+    options = dict(draft_options)
+    if arg:
+        key = VARIANTS[name]
+        if key == "tree_budget" and not arg.isdigit():
+            raise ValueError(f"{method}: the tree budget after '{name}:' must be a whole number")
+        options[key] = int(arg) if key == "tree_budget" else arg
+    return ("none" if name == "plain" else name), options
+
+
 def run_method(engine: Engine, method: str, drafters: dict[str, Drafter], ids: list[int], sampling, max_new, seed):
     """(token_ids, seconds, target_passes, draft_ms, verify_ms) of one generation."""
     if method in ("hf", "hf-lookup"):
@@ -104,18 +126,13 @@ def run_bench(
     `heads` maps medusa/eagle to checkpoint directories; missing ones are the heads shipped for `model_name`.
     `draft_options` (draft_layers, draft_model) go to the layerskip and model drafters.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
     heads = heads or {}
     model, tokenizer = engine.target.model, engine.tokenizer
-    drafters = {
-        m: make_drafter(
-            "none" if m == "plain" else m, model, tokenizer, heads.get(m), model_name=model_name, **draft_options
-        )
-        for m in methods
-        if m not in ("hf", "hf-lookup")
-    }
+    drafters = {}
+    for m in methods:
+        name, options = method_drafter(m, draft_options)
+        if name not in ("hf", "hf-lookup"):
+            drafters[m] = make_drafter(name, model, tokenizer, heads.get(name), model_name=model_name, **options)
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection

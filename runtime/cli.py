@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
     _add_model_args(b, "bfloat16")
     b.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
-    b.add_argument("--methods", default="plain,hf,lookup", help="comma list of " + ",".join(METHODS))
+    b.add_argument(
+        "--methods",
+        default="plain,hf,lookup",
+        help="comma list of " + ",".join(METHODS) + " (variants: layerskip:N, model:PATH, medusa:B, eagle:B; "
+        "B = tree budget)",
+    )
     b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
     b.add_argument("--draft-layers", default=None, help="layerskip: N first layers or a list 0,1,2,5")

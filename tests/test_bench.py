@@ -43,8 +43,22 @@ def test_bench_records_and_tables(tiny_model_dir, tmp_path):
 def test_bench_cli_rejects_unknown_method(tiny_model_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["the cat"]}) + "\n")
-    code = main(["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods", "plain,warp"])
-    assert code == 2 and "unknown method(s) warp" in capsys.readouterr().err
+    for bad in ("warp", "lookup:3", "plain:x", "eagle:x"):
+        code = main(["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods", f"plain,{bad}"])
+        assert code == 2 and bad in capsys.readouterr().err
+
+
+def test_bench_method_variants_layerskip_n(tiny_model_dir, tmp_path):
+    """`layerskip:N` methods: one drafter per N, each recorded under its own name, greedy output unchanged."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "1", "category": "a", "turns": ["the cat sat on the mat"]}) + "\n")
+    engine = Engine.load(str(tiny_model_dir))
+    methods = ["plain", "layerskip:1", "layerskip:2"]
+    records = bench.run_bench(engine, str(prompts), methods, [0.0], max_new_tokens=8)
+    assert [r.method for r in records] == methods and all(r.same_as_plain for r in records)
+    assert bench.method_drafter("layerskip:2", {"draft_layers": "1"}) == ("layerskip", {"draft_layers": "2"})
+    assert bench.method_drafter("model:runs/d", {}) == ("model", {"draft_model": "runs/d"})
+    assert bench.method_drafter("eagle:8", {}) == ("eagle", {"tree_budget": 8})
 
 
 def test_trained_drafters_default_to_the_shipped_heads(tiny_model_dir):
