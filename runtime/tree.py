@@ -85,10 +85,14 @@ def tree_attention_inputs(
     n = len(tree)
     allowed = torch.ones(n + 1, past_len + n + 1, dtype=torch.bool)
     allowed[:, past_len:] = tree.ancestor_mask()
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     positions = torch.tensor([past_len, *(past_len + d for d in tree.depths)])
-    return mask[None, None].to(device), positions[None].to(device)
+    return additive_mask(allowed, dtype).to(device), positions[None].to(device)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q, k) bool -> float 4D mask (1, 1, q, k): 0 where allowed, dtype's most negative value elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed.cpu(), torch.finfo(dtype).min)[None, None]
 
 
 def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:
@@ -105,3 +109,53 @@ def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: i
     order = sorted(kept, key=lambda i: (depth[i], -scores[i]))
     new_index = {old: new for new, old in enumerate(order)}
     return DraftTree([tokens[i] for i in order], [new_index.get(parents[i], -1) for i in order])
+
+
+class TreeGrower:
+    """Bookkeeping of the EAGLE-2 dynamic tree, shared by the drafters that grow one (EAGLE, draft model).
+
+    Depth by depth: `expand(frontier)` picks the `top_k` frontier nodes of highest cumulative
+    log-probability and says what each may attend to among the drafted entries; the drafter runs them
+    in one forward and gives each its children with `add_children`. `tree(budget)` reranks.
+    """
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []  # cumulative log-probability of each node's path
+        self.slot: dict[int, int] = {}  # expanded node -> index of its entry among the drafted entries
+
+    def add_children(self, parent: int, logits: torch.Tensor, to_target=None) -> list[int]:
+        """The `top_k` likeliest children of `parent` (-1 = root) from its logits (V,); `to_target` maps
+        indices of a reduced vocabulary to token ids. Returns the new nodes."""
+        top = logits.float().log_softmax(-1).topk(self.top_k)
+        ids = top.indices if to_target is None else to_target(top.indices)
+        base = self.scores[parent] if parent >= 0 else 0.0
+        new = list(range(len(self.tokens), len(self.tokens) + self.top_k))
+        self.tokens.extend(ids.tolist())
+        self.parents.extend([parent] * self.top_k)
+        self.scores.extend(base + lp for lp in top.values.tolist())
+        return new
+
+    def expand(self, frontier: list[int]) -> tuple[list[int], torch.Tensor]:
+        """(the nodes to expand, bool (m, drafted + m): which drafted entries each attends to — its
+        ancestors and itself). The chosen nodes become the next m drafted entries."""
+        chosen = sorted(frontier, key=lambda i: -self.scores[i])[: self.top_k]
+        drafted = len(self.slot)
+        allowed = torch.zeros(len(chosen), drafted + len(chosen), dtype=torch.bool)
+        for row, node in enumerate(chosen):
+            self.slot[node] = drafted + row
+            ancestor = node
+            while ancestor >= 0:  # itself and its ancestors, all expanded at earlier depths
+                allowed[row, self.slot[ancestor]] = True
+                ancestor = self.parents[ancestor]
+        return chosen, allowed
+
+    @property
+    def n_drafted(self) -> int:
+        """Entries the drafter's cache gained while growing (to crop afterwards)."""
+        return len(self.slot)
+
+    def tree(self, budget: int) -> DraftTree:
+        return rerank(self.tokens, self.parents, self.scores, budget)

@@ -253,7 +253,7 @@ def test_exact_on_a_medusa_shaped_tree(params):
 def test_exact_on_an_eagle_shaped_tree(params):
     """A tree as the EAGLE drafter builds it: drafted by expanding the best paths depth by depth with
     the draft's own (parent-dependent) top-k, then reranked by cumulative log-probability to 6 nodes."""
-    from runtime.drafters.eagle import rerank
+    from runtime.tree import rerank
 
     tokens, parents, scores = [], [], []
     frontier = [-1]

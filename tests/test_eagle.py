@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.drafters.eagle import EagleDrafter, rerank
+from runtime.drafters.eagle import EagleDrafter
 from runtime.target import Target
+from runtime.tree import rerank
 from tests.conftest import tiny_llama
 from tests.exactness import (
     assert_first_three_follow_target,

@@ -20,13 +20,7 @@ from transformers import DynamicCache
 
 from heads.eagle import EagleHead
 from runtime.drafters import Drafter
-from runtime.tree import DraftTree, rerank
-
-
-def _mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(q, k) bool -> float 4D additive mask (1, 1, q, k)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+from runtime.tree import DraftTree, TreeGrower, additive_mask
 
 
 class EagleDrafter(Drafter):
@@ -50,7 +44,7 @@ class EagleDrafter(Drafter):
         """Append len(tokens) entries to the head's cache; (n, H) predicted next features."""
         device = features.device
         embeds = self.embed(torch.tensor(tokens, device=device))
-        mask = _mask(allowed.to(device), features.dtype)
+        mask = additive_mask(allowed, features.dtype).to(device)
         out = self.head(features[None], embeds[None], positions[None].to(device), mask, cache=self.cache)
         return out[0]
 
@@ -77,43 +71,21 @@ class EagleDrafter(Drafter):
         if self._root_feature is None:
             return DraftTree()
         past = self._committed
-        # Drafted nodes: token, parent, cumulative log-prob, and (once expanded) its head-cache slot.
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        slot: dict[int, int] = {}  # node -> index of its entry among the drafted head-cache entries
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
-
-        def add_children(parent: int, logits: torch.Tensor, base: float) -> list[int]:
-            top = logits.float().log_softmax(-1).topk(self.top_k)
-            new = []
-            for logp, tok in zip(top.values.tolist(), self.readout.to_target(top.indices).tolist(), strict=True):
-                new.append(len(tokens))
-                tokens.append(tok)
-                parents.append(parent)
-                scores.append(base + logp)
-            return new
-
-        frontier = add_children(-1, self.readout(self._root_feature), 0.0)
-        for depth in range(2, self.depth + 1):
-            expand = sorted(frontier, key=lambda i: -scores[i])[: self.top_k]
-            n_drafted = len(slot)
-            allowed = torch.zeros(len(expand), past + n_drafted + len(expand), dtype=torch.bool)
-            allowed[:, :past] = True
-            for row, node in enumerate(expand):
-                slot[node] = n_drafted + row
-                ancestor = node
-                while ancestor >= 0:  # the node itself and its ancestors, all expanded before
-                    allowed[row, past + slot[ancestor]] = True
-                    ancestor = parents[ancestor]
-            inputs = torch.stack([feature[parents[n]] if parents[n] >= 0 else self._root_feature for n in expand])
-            positions = torch.full((len(expand),), past + depth - 2)
-            out = self._run_head(inputs, [tokens[n] for n in expand], positions, allowed)  # (m, H)
+        grow = TreeGrower(self.top_k)
+        frontier = grow.add_children(-1, self.readout(self._root_feature), self.readout.to_target)
+        for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
+            expand, drafted = grow.expand(frontier)
+            allowed = torch.cat([torch.ones(len(expand), past, dtype=torch.bool), drafted], dim=1)  # (m, past+d)
+            parents = [grow.parents[n] for n in expand]
+            inputs = torch.stack([feature[p] if p >= 0 else self._root_feature for p in parents])  # (m, H)
+            positions = torch.full((len(expand),), past + depth - 1)
+            out = self._run_head(inputs, [grow.tokens[n] for n in expand], positions, allowed)  # (m, H)
             logits = self.readout(out)  # (m, N): N = V unless the head has a reduced draft vocabulary
             frontier = []
             for row, node in enumerate(expand):
                 feature[node] = out[row]
-                frontier += add_children(node, logits[row], scores[node])
-        if slot:
-            self.cache.crop(-len(slot))  # drafted entries never stay in the head's cache
-        return rerank(tokens, parents, scores, self.budget)
+                frontier += grow.add_children(node, logits[row], self.readout.to_target)
+        if grow.n_drafted:
+            self.cache.crop(-grow.n_drafted)  # drafted entries never stay in the head's cache
+        return grow.tree(self.budget)

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from runtime.drafters import Drafter
 from runtime.sampling import SamplingParams, target_probs
-from runtime.tree import DraftTree, rerank
+from runtime.tree import DraftTree, TreeGrower, additive_mask
 
 
 class TokenizerMismatchError(ValueError):
@@ -186,44 +186,21 @@ class ModelDrafter(Drafter):
     def _draft_tree(self, root_logits: torch.Tensor) -> DraftTree:
         """EAGLE-2's dynamic tree over the draft model's log-probabilities (point masses); see the module doc."""
         past = len(self.cached)  # the context: the root sits at position past - 1
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []  # cumulative log-probability of each node's path
-        slot: dict[int, int] = {}  # expanded node -> index of its entry among the drafted cache entries
-
-        def add_children(parent: int, logits: torch.Tensor, base: float) -> list[int]:
-            top = logits.float().log_softmax(-1).topk(self.top_k)
-            new = list(range(len(tokens), len(tokens) + self.top_k))
-            tokens.extend(top.indices.tolist())
-            parents.extend([parent] * self.top_k)
-            scores.extend(base + lp for lp in top.values.tolist())
-            return new
-
-        frontier = add_children(-1, root_logits, 0.0)
+        dtype, device = self.model.dtype, self.model.device
+        grow = TreeGrower(self.top_k)
+        frontier = grow.add_children(-1, root_logits)
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
-            expand = sorted(frontier, key=lambda i: -scores[i])[: self.top_k]
-            drafted = len(slot)
-            allowed = torch.zeros(len(expand), past + drafted + len(expand), dtype=torch.bool)  # (m, past+d+m)
-            allowed[:, :past] = True
-            for row, node in enumerate(expand):
-                slot[node] = drafted + row
-                ancestor = node
-                while ancestor >= 0:  # itself and its ancestors, all expanded at earlier depths
-                    allowed[row, past + slot[ancestor]] = True
-                    ancestor = parents[ancestor]
-            dtype, device = self.model.dtype, self.model.device
-            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+            expand, drafted = grow.expand(frontier)
+            allowed = torch.cat([torch.ones(len(expand), past, dtype=torch.bool), drafted], dim=1)  # (m, past+d)
             out = self.model(
-                input_ids=torch.tensor([[tokens[n] for n in expand]], device=device),
-                attention_mask=mask[None, None].to(device),  # (1, 1, m, past+d+m) float
+                input_ids=torch.tensor([[grow.tokens[n] for n in expand]], device=device),
+                attention_mask=additive_mask(allowed, dtype).to(device),  # (1, 1, m, past+d) float
                 position_ids=torch.full((1, len(expand)), past - 1 + depth, device=device),
                 cache=self.cache,
                 use_cache=True,
             )
             logits = self._to_target_vocab(out.logits[0])  # (m, V)
-            frontier = []
-            for row, node in enumerate(expand):
-                frontier += add_children(node, logits[row], scores[node])
-        if slot:
-            self.cache.crop(-len(slot))  # drafted entries never stay in the draft cache
-        return rerank(tokens, parents, scores, self.budget)
+            frontier = [child for row, node in enumerate(expand) for child in grow.add_children(node, logits[row])]
+        if grow.n_drafted:
+            self.cache.crop(-grow.n_drafted)  # drafted entries never stay in the draft cache
+        return grow.tree(self.budget)
