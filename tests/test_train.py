@@ -185,6 +185,7 @@ def test_fixed_batch_losses_are_pinned(kind):
     from train.losses import eagle_loss, medusa_loss
 
     model = tiny_llama(vocab_size=64, init_std=0.2)
+    torch.manual_seed(0)
     heads = build_heads(kind, model)
     if kind == "medusa":
         for p in heads.parameters():  # zero-initialised blocks would make every head equal at step 0
