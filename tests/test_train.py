@@ -321,3 +321,7 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     assert FeatureCache(tmp_path / "features", changed, key).missing() == [0] and len(rows) <= CHUNK
     (tmp_path / "features" / "features-00000.safetensors").write_bytes(b"truncated")
     assert FeatureCache(tmp_path / "features", rows, key).missing() == [0]
+    blocked = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features" / "x" / "y")})
+    (tmp_path / "features" / "x").write_text("")  # a file where the cache folder should be
+    with pytest.raises(ConfigError, match="is not writable"):
+        train_heads.Trainer(blocked, acc, model, tokenizer, rows)

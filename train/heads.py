@@ -123,7 +123,7 @@ class Trainer:
         """The target's features of every row from data.features, computing what is missing (split over processes)."""
         acc = self.acc
         key = {**target_fingerprint(self.model, self.tokenizer, self.cfg.target.model), "dtype": str(self.model.dtype)}
-        cache = FeatureCache(self.cfg.data.features, rows, key)
+        cache = FeatureCache(ensure_writable_dir(self.cfg.data.features), rows, key)
         built = cache.build(self.model, self.pad_id, self.cfg.data.batch_tokens, acc.process_index,
                             acc.num_processes, progress=acc.is_local_main_process)  # fmt: skip
         acc.wait_for_everyone()
