@@ -128,9 +128,9 @@ def run_bench(
     """
     heads = heads or {}
     model, tokenizer = engine.target.model, engine.tokenizer
+    specs = {m: method_drafter(m, draft_options) for m in methods}  # every name checked before any loading
     drafters = {}
-    for m in methods:
-        name, options = method_drafter(m, draft_options)
+    for m, (name, options) in specs.items():
         if name not in ("hf", "hf-lookup"):
             drafters[m] = make_drafter(name, model, tokenizer, heads.get(name), model_name=model_name, **options)
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)

@@ -86,13 +86,15 @@ def tree_attention_inputs(
     allowed = torch.ones(n + 1, past_len + n + 1, dtype=torch.bool)
     allowed[:, past_len:] = tree.ancestor_mask()
     positions = torch.tensor([past_len, *(past_len + d for d in tree.depths)])
-    return additive_mask(allowed, dtype).to(device), positions[None].to(device)
+    return additive_mask(allowed, dtype, device), positions[None].to(device)
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(q, k) bool -> float 4D mask (1, 1, q, k): 0 where allowed, dtype's most negative value elsewhere."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    return mask.masked_fill_(~allowed.cpu(), torch.finfo(dtype).min)[None, None]
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(q, k) bool -> float 4D mask (1, 1, q, k) on `device`: 0 where allowed, dtype's most negative value
+    elsewhere. The bool mask travels, the float one is built where it is used."""
+    allowed = allowed.to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:
@@ -114,9 +116,9 @@ def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: i
 class TreeGrower:
     """Bookkeeping of the EAGLE-2 dynamic tree, shared by the drafters that grow one (EAGLE, draft model).
 
-    Depth by depth: `expand(frontier)` picks the `top_k` frontier nodes of highest cumulative
-    log-probability and says what each may attend to among the drafted entries; the drafter runs them
-    in one forward and gives each its children with `add_children`. `tree(budget)` reranks.
+    Depth by depth: `expand(frontier, past)` picks the `top_k` frontier nodes of highest cumulative
+    log-probability and says what each may attend to; the drafter runs them in one forward and gives
+    them their children with `add_children`. `tree(budget)` reranks.
     """
 
     def __init__(self, top_k: int) -> None:
@@ -126,29 +128,32 @@ class TreeGrower:
         self.scores: list[float] = []  # cumulative log-probability of each node's path
         self.slot: dict[int, int] = {}  # expanded node -> index of its entry among the drafted entries
 
-    def add_children(self, parent: int, logits: torch.Tensor, to_target=None) -> list[int]:
-        """The `top_k` likeliest children of `parent` (-1 = root) from its logits (V,); `to_target` maps
-        indices of a reduced vocabulary to token ids. Returns the new nodes."""
-        top = logits.float().log_softmax(-1).topk(self.top_k)
-        ids = top.indices if to_target is None else to_target(top.indices)
-        base = self.scores[parent] if parent >= 0 else 0.0
-        new = list(range(len(self.tokens), len(self.tokens) + self.top_k))
-        self.tokens.extend(ids.tolist())
-        self.parents.extend([parent] * self.top_k)
-        self.scores.extend(base + lp for lp in top.values.tolist())
+    def add_children(self, parents: list[int], logits: torch.Tensor, to_target=None) -> list[int]:
+        """The `top_k` likeliest children of each of `parents` (-1 = root) from their logits (m, V);
+        `to_target` maps indices of a reduced vocabulary to token ids. Returns the new nodes."""
+        top = logits.float().log_softmax(-1).topk(self.top_k)  # (m, k): one top-k, one copy to the host
+        ids = (top.indices if to_target is None else to_target(top.indices)).tolist()
+        new = []
+        for parent, row_ids, row_logp in zip(parents, ids, top.values.tolist(), strict=True):
+            base = self.scores[parent] if parent >= 0 else 0.0
+            new += range(len(self.tokens), len(self.tokens) + self.top_k)
+            self.tokens += row_ids
+            self.parents += [parent] * self.top_k
+            self.scores += [base + lp for lp in row_logp]
         return new
 
-    def expand(self, frontier: list[int]) -> tuple[list[int], torch.Tensor]:
-        """(the nodes to expand, bool (m, drafted + m): which drafted entries each attends to — its
-        ancestors and itself). The chosen nodes become the next m drafted entries."""
+    def expand(self, frontier: list[int], past: int) -> tuple[list[int], torch.Tensor]:
+        """(the nodes to expand, bool (m, past + drafted + m): what each attends to — the `past` committed
+        entries, its ancestors and itself). The chosen nodes become the next m drafted entries."""
         chosen = sorted(frontier, key=lambda i: -self.scores[i])[: self.top_k]
         drafted = len(self.slot)
-        allowed = torch.zeros(len(chosen), drafted + len(chosen), dtype=torch.bool)
+        allowed = torch.zeros(len(chosen), past + drafted + len(chosen), dtype=torch.bool)
+        allowed[:, :past] = True
         for row, node in enumerate(chosen):
             self.slot[node] = drafted + row
             ancestor = node
             while ancestor >= 0:  # itself and its ancestors, all expanded at earlier depths
-                allowed[row, self.slot[ancestor]] = True
+                allowed[row, past + self.slot[ancestor]] = True
                 ancestor = self.parents[ancestor]
         return chosen, allowed
 

@@ -63,9 +63,8 @@ def make_drafter(
         from runtime.drafters.lookup import LookupDrafter
 
         return LookupDrafter(**options)
+    tree = {k: v for k, v in {"depth": tree_depth, "top_k": tree_top_k, "budget": tree_budget}.items() if v is not None}
     if name in ("model", "layerskip"):
-        tree = {"depth": tree_depth, "top_k": tree_top_k, "budget": tree_budget}
-        tree = {k: v for k, v in tree.items() if v is not None}
         return _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, tree)
     if name not in ("medusa", "eagle"):
         raise ValueError(f"unknown drafter '{name}': choose none, lookup, medusa, eagle, model or layerskip")
@@ -82,8 +81,6 @@ def make_drafter(
     if name == "eagle":
         from runtime.drafters.eagle import EagleDrafter
 
-        tree = {"depth": tree_depth, "top_k": tree_top_k, "budget": tree_budget}
-        tree = {k: v for k, v in tree.items() if v is not None}
         return EagleDrafter(module, model.get_input_embeddings(), model.get_output_embeddings(), **tree)
     from heads.medusa import choose_tree_shape
     from runtime.drafters.medusa import MedusaDrafter

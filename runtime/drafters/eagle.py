@@ -44,7 +44,7 @@ class EagleDrafter(Drafter):
         """Append len(tokens) entries to the head's cache; (n, H) predicted next features."""
         device = features.device
         embeds = self.embed(torch.tensor(tokens, device=device))
-        mask = additive_mask(allowed, features.dtype).to(device)
+        mask = additive_mask(allowed, features.dtype, device)
         out = self.head(features[None], embeds[None], positions[None].to(device), mask, cache=self.cache)
         return out[0]
 
@@ -73,19 +73,16 @@ class EagleDrafter(Drafter):
         past = self._committed
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
         grow = TreeGrower(self.top_k)
-        frontier = grow.add_children(-1, self.readout(self._root_feature), self.readout.to_target)
+        frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
-            expand, drafted = grow.expand(frontier)
-            allowed = torch.cat([torch.ones(len(expand), past, dtype=torch.bool), drafted], dim=1)  # (m, past+d)
+            expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
             parents = [grow.parents[n] for n in expand]
             inputs = torch.stack([feature[p] if p >= 0 else self._root_feature for p in parents])  # (m, H)
             positions = torch.full((len(expand),), past + depth - 1)
             out = self._run_head(inputs, [grow.tokens[n] for n in expand], positions, allowed)  # (m, H)
             logits = self.readout(out)  # (m, N): N = V unless the head has a reduced draft vocabulary
-            frontier = []
-            for row, node in enumerate(expand):
-                feature[node] = out[row]
-                frontier += grow.add_children(node, logits[row], self.readout.to_target)
+            feature.update(zip(expand, out, strict=True))
+            frontier = grow.add_children(expand, logits, self.readout.to_target)
         if grow.n_drafted:
             self.cache.crop(-grow.n_drafted)  # drafted entries never stay in the head's cache
         return grow.tree(self.budget)

@@ -188,19 +188,18 @@ class ModelDrafter(Drafter):
         past = len(self.cached)  # the context: the root sits at position past - 1
         dtype, device = self.model.dtype, self.model.device
         grow = TreeGrower(self.top_k)
-        frontier = grow.add_children(-1, root_logits)
+        frontier = grow.add_children([-1], root_logits[None])
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
-            expand, drafted = grow.expand(frontier)
-            allowed = torch.cat([torch.ones(len(expand), past, dtype=torch.bool), drafted], dim=1)  # (m, past+d)
+            expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
             out = self.model(
                 input_ids=torch.tensor([[grow.tokens[n] for n in expand]], device=device),
-                attention_mask=additive_mask(allowed, dtype).to(device),  # (1, 1, m, past+d) float
+                attention_mask=additive_mask(allowed, dtype, device),  # (1, 1, m, past + drafted) float
                 position_ids=torch.full((1, len(expand)), past - 1 + depth, device=device),
                 cache=self.cache,
                 use_cache=True,
             )
             logits = self._to_target_vocab(out.logits[0])  # (m, V)
-            frontier = [child for row, node in enumerate(expand) for child in grow.add_children(node, logits[row])]
+            frontier = grow.add_children(expand, logits)
         if grow.n_drafted:
             self.cache.crop(-grow.n_drafted)  # drafted entries never stay in the draft cache
         return grow.tree(self.budget)
