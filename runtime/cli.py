@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
     ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")
     ds.add_argument("--permissive-only", action="store_true", help="only rows with permissive: true")
+    ds.add_argument("--summaries-of", default=None, metavar="DIR",
+                    help="instead of --prompts: summarisation prompts over the answers distilled in DIR")  # fmt: skip
     ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
@@ -258,14 +260,18 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from runtime.models import load_model
-    from train.distill import distill
+    from train.distill import distill, summary_prompts
 
     _check_lengths(args)
     SamplingParams(args.temperature)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--batch-size and --limit must be >= 1")
-    prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit, skip_malformed=True)
+    if args.summaries_of is None:
+        prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
+                               skip_malformed=True)  # fmt: skip
     model, tokenizer = load_model(args.model, args.dtype, args.device)
+    if args.summaries_of is not None:
+        prompts = summary_prompts(args.summaries_of, tokenizer, args.limit or 1000)
     stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                     seed=args.seed)  # fmt: skip
     print(

@@ -15,7 +15,7 @@ from tests.conftest import ACCELERATE_LAUNCH, WORDS
 from train import heads as train_heads
 from train.config import ConfigError, load_config
 from train.data import Row, collate, make_batches
-from train.distill import distill
+from train.distill import SUMMARY_PREFIX, distill, summary_prompts
 from train.losses import head_metrics, medusa_labels
 
 
@@ -170,6 +170,32 @@ def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys)
     assert stats["new_rows"] == 5
     written = [json.loads(x)["id"] for p in sorted(out.glob("shard-*.jsonl")) for x in p.read_text().splitlines()]
     assert sorted(written) == sorted(p.id for p in prompts)
+
+
+def test_summary_prompts_over_earlier_answers(tmp_path):
+    from tests.conftest import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    cat, sat = WORDS.index("cat"), WORDS.index("sat")
+    rows = [
+        {"id": "a", "category": "qa", "response_ids": [cat, sat, cat, 1]},
+        {"id": "b", "category": "code", "response_ids": [cat, sat, cat, sat]},  # code: skipped
+        {"id": "c", "category": "chat", "response_ids": [cat]},  # too short
+        {"id": SUMMARY_PREFIX + "a", "category": "summarization", "response_ids": [sat, sat, sat]},  # a summary
+        {"id": "d", "category": "math", "response_ids": [sat, cat, sat]},
+        {"id": "e", "category": "chat", "response_ids": [sat, sat, cat]},
+    ]
+    (tmp_path / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    (tmp_path / "shard-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[3:]))
+    prompts = summary_prompts(tmp_path, tok, limit=2, min_tokens=3)
+    assert [p.id for p in prompts] == [SUMMARY_PREFIX + "a", SUMMARY_PREFIX + "d"]
+    assert {p.category for p in prompts} == {"summarization"}
+    assert prompts[0].text.startswith("Summarize") and prompts[0].text.endswith("\n\ncat sat cat")  # EOS dropped
+    assert len(summary_prompts(tmp_path, tok, limit=10, min_tokens=3)) == 3
+    with pytest.raises(ValueError, match=r"no answer .* 9 tokens"):
+        summary_prompts(tmp_path, tok, limit=10, min_tokens=9)
+    with pytest.raises(ValueError, match="no distilled shards"):
+        summary_prompts(tmp_path / "none", tok, limit=10)
 
 
 PINNED = {  # five AdamW steps on one fixed batch; recompute only for a deliberate change of the loss

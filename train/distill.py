@@ -5,6 +5,10 @@ Rows go to JSONL shards (`shard-00000.jsonl`, ...) that `datasets.load_dataset("
 skips every id already written and cuts a half-written last line, so no row is duplicated or lost.
 
     headstart distill --prompts ../shared/data/train/prompts.jsonl --out runs/distill/smollm2 --permissive-only
+
+`--summaries-of DIR` answers summarisation prompts built over the target's own earlier answers in
+DIR instead (`summary_prompts`): the permissive training prompts hold no summarisation task, and
+those answers are text that may be used under the same licences.
 """
 
 from __future__ import annotations
@@ -33,6 +37,39 @@ def _repair_and_read_done(out: Path) -> set[str]:
         for line in data.decode().splitlines():
             done.add(json.loads(line)["id"])
     return done
+
+
+SUMMARY_PREFIX = "summary:"  # id prefix of rows made by summary_prompts
+SUMMARY_TEMPLATE = "Summarize the following text in two or three sentences.\n\n{text}"
+
+
+def summary_prompts(distilled: str | Path, tokenizer, limit: int, min_tokens: int = 80) -> list[Prompt]:
+    """Summarisation prompts over the first `limit` answers in `distilled` of at least `min_tokens` tokens.
+
+    Code answers and answers that are themselves summaries are skipped; the rows are read in shard
+    order, so a rerun over a folder that has grown since picks the same first rows.
+    """
+    distilled = Path(distilled)
+    shards = sorted(distilled.glob("shard-*.jsonl"))
+    if not shards:
+        raise ValueError(f"no distilled shards (shard-*.jsonl) in {distilled}: run `headstart distill` first")
+    prompts: list[Prompt] = []
+    for shard in shards:
+        for line in shard.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a last line cut by a kill
+            summary, code = row["id"].startswith(SUMMARY_PREFIX), row["category"] == "code"
+            if summary or code or len(row["response_ids"]) < min_tokens:
+                continue
+            text = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
+            prompts.append(Prompt(SUMMARY_PREFIX + row["id"], "summarization", SUMMARY_TEMPLATE.format(text=text)))
+            if len(prompts) == limit:
+                return prompts
+    if not prompts:
+        raise ValueError(f"no answer in {distilled} has {min_tokens} tokens or more to summarise")
+    return prompts
 
 
 def _batches(prompts: list[Prompt], size: int) -> Iterator[list[Prompt]]:
