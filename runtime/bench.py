@@ -233,10 +233,12 @@ def chart(table: dict, path: Path, title: str = "") -> Path:
             ax.axhline(1.0, color="grey", linewidth=0.8)
             ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(cats))], cats, rotation=20)
             ax.set_title(f"{label}, T = {temperature}")
-            ax.legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    height = fig.get_figheight()
+    fig.legend(handles, labels, loc="lower center", ncol=max(len(labels), 1), fontsize=9, frameon=False)  # off the bars
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.4 / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
