@@ -69,38 +69,3 @@ class MedusaHeads(nn.Module):
         """(..., H) -> (K, ..., V) logits; head k's row predicts the token k+1 places ahead."""
         feats = self.features(hidden)
         return torch.stack([self.head_logits(k + 1, feats[k], target_lm_head) for k in range(self.num_heads)])
-
-
-def choose_tree_shape(rank_accuracy: list[list[float]], budget: int) -> list[tuple[int, ...]]:
-    """The Medusa tree of at most `budget` nodes with the largest expected acceptance length.
-
-    `rank_accuracy[d][i]` is the measured probability that head d+1's i-th ranked token is the
-    right one. A node is a path of ranks (i_1, ..., i_d) under the root; it is accepted with
-    probability prod_j rank_accuracy[j][i_j], and the expected acceptance length of a tree is
-    1 + the sum of that over its nodes. A child is never likelier than its parent, so taking the
-    likeliest node on the frontier, `budget` times, gives the optimal tree (parents come first).
-    """
-    import heapq
-
-    frontier = [(-acc, (i,)) for i, acc in enumerate(rank_accuracy[0]) if acc > 0] if rank_accuracy else []
-    heapq.heapify(frontier)
-    chosen: list[tuple[int, ...]] = []
-    while frontier and len(chosen) < budget:
-        neg_value, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if len(path) < len(rank_accuracy):
-            for i, acc in enumerate(rank_accuracy[len(path)]):
-                if acc > 0:
-                    heapq.heappush(frontier, (neg_value * acc, (*path, i)))
-    return chosen
-
-
-def expected_acceptance_length(rank_accuracy: list[list[float]], shape: list[tuple[int, ...]]) -> float:
-    """1 + sum over the tree's nodes of the probability that the node is accepted."""
-    total = 1.0
-    for path in shape:
-        p = 1.0
-        for depth, rank in enumerate(path):
-            p *= rank_accuracy[depth][rank]
-        total += p
-    return total

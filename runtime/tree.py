@@ -14,9 +14,12 @@ from: q with the earlier siblings removed and renormalised.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
+
+from runtime.sampling import SamplingParams, target_probs
 
 
 @dataclass
@@ -145,7 +148,14 @@ class TreeGrower:
     def expand(self, frontier: list[int], past: int) -> tuple[list[int], torch.Tensor]:
         """(the nodes to expand, bool (m, past + drafted + m): what each attends to — the `past` committed
         entries, its ancestors and itself). The chosen nodes become the next m drafted entries."""
-        chosen = sorted(frontier, key=lambda i: -self.scores[i])[: self.top_k]
+        chosen = self.choose(frontier)
+        return chosen, self.attend(chosen, past)
+
+    def choose(self, frontier: list[int]) -> list[int]:
+        """The frontier nodes to expand: the `top_k` of highest cumulative log-probability."""
+        return sorted(frontier, key=lambda i: -self.scores[i])[: self.top_k]
+
+    def attend(self, chosen: list[int], past: int) -> torch.Tensor:
         drafted = len(self.slot)
         allowed = torch.zeros(len(chosen), past + drafted + len(chosen), dtype=torch.bool)
         allowed[:, :past] = True
@@ -155,7 +165,7 @@ class TreeGrower:
             while ancestor >= 0:  # itself and its ancestors, all expanded at earlier depths
                 allowed[row, past + self.slot[ancestor]] = True
                 ancestor = self.parents[ancestor]
-        return chosen, allowed
+        return allowed
 
     @property
     def n_drafted(self) -> int:
@@ -164,3 +174,99 @@ class TreeGrower:
 
     def tree(self, budget: int) -> DraftTree:
         return rerank(self.tokens, self.parents, self.scores, budget)
+
+
+class ShapeSampler(TreeGrower):
+    """A static tree shape filled with SAMPLED tokens, grown depth by depth like TreeGrower.
+
+    `shape` lists nodes as paths of ranks, parents first (`choose_tree_shape`); it fixes
+    how many children each node gets. A node's children are drawn from its draft distribution q (the
+    decode's temperature / top-k / top-p applied to the draft logits) without replacement, and each
+    child records the distribution it was really drawn from: q with the earlier siblings removed,
+    renormalised. Whether a sibling is proposed never depends on its own token (only on the shape and
+    on the earlier draws: fewer siblings when q has fewer tokens), which keeps `accept_path` exact.
+    Ranks only order siblings: the j-th child drawn takes the j-th smallest rank among its node's
+    children in the shape.
+    """
+
+    def __init__(
+        self, shape: list[tuple[int, ...]], sampling: SamplingParams, vocab_size: int, generator: torch.Generator
+    ) -> None:
+        super().__init__(top_k=0)
+        self.kids: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # path -> child paths, by rank
+        for path in shape:
+            self.kids.setdefault(path[:-1], []).append(path)
+        for paths in self.kids.values():
+            paths.sort()
+        self.sampling, self.vocab_size, self.generator = sampling, vocab_size, generator
+        self.paths: list[tuple[int, ...]] = []  # node -> its path in the shape
+        self.rows: list[torch.Tensor] = []  # node -> (V,) the q it was drawn from
+
+    def _path(self, node: int) -> tuple[int, ...]:
+        return self.paths[node] if node >= 0 else ()
+
+    def choose(self, frontier: list[int]) -> list[int]:
+        """Every frontier node that has children in the shape."""
+        return [n for n in frontier if self.kids.get(self._path(n))]
+
+    def add_children(self, parents: list[int], logits: torch.Tensor, to_target=None) -> list[int]:
+        """Draw the shape's children of each of `parents` (-1 = root) from its logits (m, N); N < V when
+        `to_target` maps a reduced vocabulary's indices to token ids. Returns the new nodes."""
+        q = target_probs(logits, self.sampling)  # (m, N)
+        if to_target is not None:
+            full = q.new_zeros(len(q), self.vocab_size)  # (m, V): zero outside the draft vocabulary
+            q = full.index_copy_(1, to_target(torch.arange(q.shape[1], device=q.device)), q)
+        new = []
+        for parent, row in zip(parents, q, strict=True):
+            for path in self.kids.get(self._path(parent), []):
+                total = row.sum()
+                if total <= 0:
+                    break  # q has fewer tokens than the shape has siblings here
+                row = row / total
+                token = int(torch.multinomial(row, 1, generator=self.generator))
+                new.append(len(self.tokens))
+                self.tokens.append(token)
+                self.parents.append(parent)
+                self.paths.append(path)
+                self.rows.append(row)
+                row = row.clone()
+                row[token] = 0
+        return new
+
+    def tree(self, budget: int | None = None) -> DraftTree:
+        """Every drawn node (the shape already has the budget's size), siblings in the order drawn."""
+        return DraftTree(list(self.tokens), list(self.parents), torch.stack(self.rows) if self.rows else None)
+
+
+def choose_tree_shape(rank_accuracy: list[list[float]], budget: int) -> list[tuple[int, ...]]:
+    """The static tree (Medusa's; EAGLE's when sampled) of at most `budget` nodes with the largest expected
+    acceptance length.
+
+    `rank_accuracy[d][i]` is the measured probability that head d+1's i-th ranked token is the
+    right one. A node is a path of ranks (i_1, ..., i_d) under the root; it is accepted with
+    probability prod_j rank_accuracy[j][i_j], and the expected acceptance length of a tree is
+    1 + the sum of that over its nodes. A child is never likelier than its parent, so taking the
+    likeliest node on the frontier, `budget` times, gives the optimal tree (parents come first).
+    """
+    frontier = [(-acc, (i,)) for i, acc in enumerate(rank_accuracy[0]) if acc > 0] if rank_accuracy else []
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < budget:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(rank_accuracy):
+            for i, acc in enumerate(rank_accuracy[len(path)]):
+                if acc > 0:
+                    heapq.heappush(frontier, (neg_value * acc, (*path, i)))
+    return chosen
+
+
+def expected_acceptance_length(rank_accuracy: list[list[float]], shape: list[tuple[int, ...]]) -> float:
+    """1 + sum over the tree's nodes of the probability that the node is accepted."""
+    total = 1.0
+    for path in shape:
+        p = 1.0
+        for depth, rank in enumerate(path):
+            p *= rank_accuracy[depth][rank]
+        total += p
+    return total

@@ -234,7 +234,7 @@ def test_chi_square_sampled_rounds():
 def test_exact_on_a_medusa_shaped_tree(params):
     """The tree the Medusa drafter builds: shape chosen from per-rank accuracies (3 deep, 7 nodes),
     node (i_1, ..., i_d) holding the i_d-th guess of head d whatever its parent, as Medusa heads do."""
-    from heads.medusa import choose_tree_shape
+    from runtime.tree import choose_tree_shape
 
     shape = choose_tree_shape([[0.6, 0.3, 0.1], [0.5, 0.3], [0.5, 0.2]], budget=7)
     assert max(map(len, shape)) == 3 and len({p[:1] for p in shape}) >= 2  # siblings, depth 3

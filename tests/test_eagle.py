@@ -84,3 +84,36 @@ def test_sampling_first_three_tokens_match_plain_sampling():
         random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, depth=3, top_k=3, budget=10
     )
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
+
+
+def test_sampled_tree_first_three_tokens_match_plain_sampling():
+    """The same with the SAMPLED static tree (siblings drawn from q without replacement, q recorded):
+    shape of budget 6 from made-up rank accuracies, T=0.8, top-p 0.9. p < 1e-3 fails (0.1 % chance)."""
+    model = sampling_model()
+    drafter = EagleDrafter(
+        random_heads("eagle", model, 0.1),
+        model.model.embed_tokens,
+        model.lm_head,
+        budget=6,
+        rank_accuracy=[[0.5, 0.3], [0.4, 0.3], [0.5]],
+    )
+    assert drafter.shape == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
+
+
+def test_trained_heads_sample_their_tree_above_temperature_zero(tmp_path, tiny_model_dir):
+    from runtime.drafters import make_drafter
+    from runtime.models import load_model
+    from runtime.sampling import SamplingParams
+    from tests.exactness import train_tiny_heads
+
+    heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "eagle")
+    model, tokenizer = load_model(str(tiny_model_dir))
+    drafter = make_drafter("eagle", model, tokenizer, str(heads_dir), tree_budget=5)
+    assert len(drafter.shape) == 5  # from the rank accuracies saved with the heads
+    target = Target(model)
+    prompt = [3, 4, 5, 6, 3, 4]
+    for sampling, sampled in ((SamplingParams(), False), (SamplingParams(temperature=1.0), True)):
+        drafter.start(prompt, target.prefill(prompt[:-1]), sampling, seed=0)
+        tree = drafter.propose(prompt)
+        assert (tree.draft_probs is not None) == sampled and len(tree) == 5

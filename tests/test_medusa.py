@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from heads.checkpoint import build_heads
-from heads.medusa import choose_tree_shape, expected_acceptance_length
 from runtime.drafters.medusa import MedusaDrafter
+from runtime.tree import choose_tree_shape, expected_acceptance_length
 from tests.conftest import tiny_llama
 from tests.exactness import (
     assert_first_three_follow_target,

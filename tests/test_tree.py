@@ -75,3 +75,46 @@ def test_bf16_mask_and_empty_tree():
 def test_malformed_trees_are_refused(tokens, parents):
     with pytest.raises(ValueError):
         DraftTree(tokens, parents)
+
+
+def test_shape_sampler_draws_siblings_without_replacement_and_records_q():
+    from runtime.sampling import SamplingParams, target_probs
+    from runtime.tree import ShapeSampler
+
+    #        root
+    #      /      \
+    #     a        b          shape (0,) (1,) (0,0) (0,1) (1,0): a gets 2 children, b 1
+    #    / \       |
+    #  a0   a1     b0
+    shape = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    draft_ids = torch.tensor([5, 2, 7, 0])  # a reduced draft vocabulary of 4 of V = 9 tokens
+    to_target = draft_ids.__getitem__
+    logits = torch.tensor([[2.0, 1.5, 0.5, -1.0], [0.3, 0.2, 0.1, 0.0], [1.0, 3.0, 0.0, 0.5]])
+    for seed in range(20):
+        grow = ShapeSampler(shape, params, vocab_size=9, generator=torch.Generator().manual_seed(seed))
+        first = grow.add_children([-1], logits[:1], to_target)
+        assert first == [0, 1] and grow.choose(first) == [0, 1]
+        second = grow.add_children(first, logits[1:], to_target)
+        assert second == [2, 3, 4] and grow.choose(second) == []  # leaves of the shape
+        tree = grow.tree()
+        assert tree.parents == [-1, -1, 0, 0, 1]
+        q = torch.zeros(3, 9)
+        q[:, draft_ids] = target_probs(logits, params)  # zero outside the draft vocabulary
+        for siblings, row in (([0, 1], q[0]), ([2, 3], q[1]), ([4], q[2])):
+            assert len({tree.tokens[i] for i in siblings}) == len(siblings)  # without replacement
+            expected = row.clone()
+            for node in siblings:  # each drew from q minus the earlier siblings, renormalised
+                torch.testing.assert_close(tree.draft_probs[node], expected / expected.sum())
+                assert expected[tree.tokens[node]] > 0
+                expected[tree.tokens[node]] = 0
+
+
+def test_shape_sampler_stops_when_q_runs_out():
+    from runtime.sampling import SamplingParams
+    from runtime.tree import ShapeSampler
+
+    grow = ShapeSampler([(0,), (1,), (2,)], SamplingParams(temperature=1.0, top_k=2), 5, torch.Generator())
+    grow.add_children([-1], torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]))
+    tree = grow.tree()
+    assert sorted(tree.tokens) == [3, 4] and tree.parents == [-1, -1]  # top-k 2 leaves two tokens

@@ -27,8 +27,8 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch train/hea
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heads.checkpoint import build_heads, save_heads, target_fingerprint
-from heads.medusa import choose_tree_shape
 from heads.vocab import frequent_tokens
+from runtime.tree import choose_tree_shape
 from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from train.data import Row, collate, load_rows, make_batches, split_rows
 from train.features import FeatureCache, final_features

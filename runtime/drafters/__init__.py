@@ -81,9 +81,10 @@ def make_drafter(
     if name == "eagle":
         from runtime.drafters.eagle import EagleDrafter
 
-        return EagleDrafter(module, model.get_input_embeddings(), model.get_output_embeddings(), **tree)
-    from heads.medusa import choose_tree_shape
+        embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        return EagleDrafter(module, embed, lm_head, rank_accuracy=config.get("rank_accuracy"), **tree)
     from runtime.drafters.medusa import MedusaDrafter
+    from runtime.tree import choose_tree_shape
 
     if tree_budget is not None:
         if tree_budget < 1:

@@ -10,6 +10,13 @@ never likelier than its parent, so the kept set is a tree. Drafted entries leave
 after each round; the features of the accepted path, from the target's verification pass, enter it.
 Every node is a deterministic guess (a point mass). Heads trained with a reduced draft vocabulary
 score only its tokens (`heads.vocab`); log-probabilities are then normalised over those.
+
+At temperature > 0, given the head's measured per-rank accuracies (a static shape of `budget`
+nodes, `choose_tree_shape`), the tree is SAMPLED instead (`runtime.tree.ShapeSampler`): the same
+depth-by-depth head forwards, but each expanded node's children are drawn from the head's q
+without replacement and carry q, so verification accepts with min(1, p/q) rather than p(x) of a
+point mass. A dynamic tree cannot be sampled this way: keeping the likeliest drawn nodes would bias
+which tokens are proposed.
 """
 
 from __future__ import annotations
@@ -20,19 +27,34 @@ from transformers import DynamicCache
 
 from heads.eagle import EagleHead
 from runtime.drafters import Drafter
-from runtime.tree import DraftTree, TreeGrower, additive_mask
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
 
 
 class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(
-        self, head: EagleHead, embed: nn.Module, lm_head: nn.Module, depth: int = 5, top_k: int = 4, budget: int = 16
+        self,
+        head: EagleHead,
+        embed: nn.Module,
+        lm_head: nn.Module,
+        depth: int = 5,
+        top_k: int = 4,
+        budget: int = 16,
+        rank_accuracy: list[list[float]] | None = None,
     ) -> None:
+        """`rank_accuracy` (the head's measured per-depth, per-rank accuracies) gives the static tree of
+        `budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used at every
+        temperature."""
         if min(depth, top_k, budget) < 1:
             raise ValueError(f"depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head)
+        self.vocab_size = lm_head.weight.shape[0]
         self.depth, self.top_k, self.budget = depth, top_k, budget
+        self.shape = choose_tree_shape(rank_accuracy, budget) if rank_accuracy else None
+        self.sampling = SamplingParams()
+        self.generator = torch.Generator(device=lm_head.weight.device)
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
 
@@ -56,9 +78,14 @@ class EagleDrafter(Drafter):
         out = self._run_head(features, tokens, torch.arange(past, past + n), allowed)
         self._root_feature = out[-1]
 
-    def start(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None, *_) -> None:
+    def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()
         self._root_feature = None
+        self.sampling = sampling or SamplingParams()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed + 1)  # not the verifier's stream
         if prompt_hidden is not None and len(prompt_hidden):
             self._commit(prompt_hidden, prompt_ids[1:])
 
@@ -72,10 +99,15 @@ class EagleDrafter(Drafter):
             return DraftTree()
         past = self._committed
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
-        grow = TreeGrower(self.top_k)
+        if self.shape is not None and not self.sampling.greedy:
+            grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator)
+        else:
+            grow = TreeGrower(self.top_k)
         frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
             expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
+            if not expand:
+                break
             parents = [grow.parents[n] for n in expand]
             inputs = torch.stack([feature[p] if p >= 0 else self._root_feature for p in parents])  # (m, H)
             positions = torch.full((len(expand),), past + depth - 1)

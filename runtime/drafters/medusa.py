@@ -3,7 +3,7 @@
 The feature is the target's final hidden state at the position just before the root (the last
 accepted token); there head k predicts the token k places below the root. The tree's shape, a list
 of rank paths such as (0,), (1,), (0, 0), is chosen from the heads' measured per-rank accuracies
-(`heads.medusa.choose_tree_shape`). Every node is a deterministic top-k guess: a point mass.
+(`runtime.tree.choose_tree_shape`). Every node is a deterministic top-k guess: a point mass.
 Heads trained with a reduced draft vocabulary score only its tokens (`heads.vocab`).
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads.medusa import MedusaHeads, choose_tree_shape
+from heads.medusa import MedusaHeads
 from runtime.drafters import Drafter
-from runtime.tree import DraftTree
+from runtime.tree import DraftTree, choose_tree_shape
 
 
 class MedusaDrafter(Drafter):
