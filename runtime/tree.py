@@ -200,7 +200,8 @@ class ShapeSampler(TreeGrower):
             paths.sort()
         self.sampling, self.vocab_size, self.generator = sampling, vocab_size, generator
         self.paths: list[tuple[int, ...]] = []  # node -> its path in the shape
-        self.rows: list[torch.Tensor] = []  # node -> (V,) the q it was drawn from
+        self.rows: list[torch.Tensor] = []  # node -> (N,) the q it was drawn from
+        self.to_target = None
 
     def _path(self, node: int) -> tuple[int, ...]:
         return self.paths[node] if node >= 0 else ()
@@ -211,31 +212,44 @@ class ShapeSampler(TreeGrower):
 
     def add_children(self, parents: list[int], logits: torch.Tensor, to_target=None) -> list[int]:
         """Draw the shape's children of each of `parents` (-1 = root) from its logits (m, N); N < V when
-        `to_target` maps a reduced vocabulary's indices to token ids. Returns the new nodes."""
+        `to_target` maps a reduced vocabulary's indices to token ids. Returns the new nodes.
+
+        The top c of log q + Gumbel noise are c draws without replacement, in order (one batched op
+        instead of c sequential draws); draw j came from q without draws 1..j-1, renormalised."""
+        counts = [len(self.kids.get(self._path(parent), [])) for parent in parents]
         q = target_probs(logits, self.sampling)  # (m, N)
-        if to_target is not None:
-            full = q.new_zeros(len(q), self.vocab_size)  # (m, V): zero outside the draft vocabulary
-            q = full.index_copy_(1, to_target(torch.arange(q.shape[1], device=q.device)), q)
+        gumbel = -torch.empty_like(q).exponential_(generator=self.generator).log()
+        drawn = (q.log() + gumbel).topk(max(counts), dim=-1).indices  # (m, c)
+        taken = q.gather(-1, drawn)  # (m, c) q of each draw; 0 once q has no tokens left
+        keep = torch.ones(len(q), drawn.shape[1], q.shape[1], dtype=torch.bool, device=q.device)  # (m, c, N)
+        for j in range(1, drawn.shape[1]):
+            keep[:, j].scatter_(-1, drawn[:, :j], False)  # draw j: without draws 0..j-1
+        rows = q[:, None] * keep  # (m, c, N)
+        rows = rows / rows.sum(-1, keepdim=True).clamp_min(torch.finfo(rows.dtype).tiny)
+        ids = (drawn if to_target is None else to_target(drawn)).tolist()
+        ok = (taken > 0).tolist()
         new = []
-        for parent, row in zip(parents, q, strict=True):
-            for path in self.kids.get(self._path(parent), []):
-                total = row.sum()
-                if total <= 0:
+        for i, parent in enumerate(parents):
+            for j, path in enumerate(self.kids.get(self._path(parent), [])):
+                if not ok[i][j]:
                     break  # q has fewer tokens than the shape has siblings here
-                row = row / total
-                token = int(torch.multinomial(row, 1, generator=self.generator))
                 new.append(len(self.tokens))
-                self.tokens.append(token)
+                self.tokens.append(ids[i][j])
                 self.parents.append(parent)
                 self.paths.append(path)
-                self.rows.append(row)
-                row = row.clone()
-                row[token] = 0
+                self.rows.append(rows[i, j])
+        self.to_target = to_target
         return new
 
     def tree(self, budget: int | None = None) -> DraftTree:
         """Every drawn node (the shape already has the budget's size), siblings in the order drawn."""
-        return DraftTree(list(self.tokens), list(self.parents), torch.stack(self.rows) if self.rows else None)
+        if not self.rows:
+            return DraftTree(list(self.tokens), list(self.parents))
+        rows = torch.stack(self.rows)  # (n, N)
+        if self.to_target is not None:  # to the target's vocabulary: zero outside the draft vocabulary
+            index = self.to_target(torch.arange(rows.shape[1], device=rows.device))
+            rows = rows.new_zeros(len(rows), self.vocab_size).index_copy_(1, index, rows)
+        return DraftTree(list(self.tokens), list(self.parents), rows)
 
 
 def choose_tree_shape(rank_accuracy: list[list[float]], budget: int) -> list[tuple[int, ...]]:
