@@ -13,6 +13,14 @@ from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
 
+def reseed(generator: torch.Generator, seed: int | None) -> None:
+    """Seed a drafter's own random stream from the decode's `seed` (+1: not the verifier's stream)."""
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed + 1)
+
+
 class Drafter:
     """Base class: proposes nothing (plain decoding)."""
 

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from heads.eagle import EagleHead
-from runtime.drafters import Drafter
+from runtime.drafters import Drafter, reseed
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
 
@@ -82,10 +82,7 @@ class EagleDrafter(Drafter):
         self.cache = DynamicCache()
         self._root_feature = None
         self.sampling = sampling or SamplingParams()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed + 1)  # not the verifier's stream
+        reseed(self.generator, seed)
         if prompt_hidden is not None and len(prompt_hidden):
             self._commit(prompt_hidden, prompt_ids[1:])
 

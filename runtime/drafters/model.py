@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from runtime.drafters import Drafter
+from runtime.drafters import Drafter, reseed
 from runtime.sampling import SamplingParams, target_probs
 from runtime.tree import DraftTree, TreeGrower, additive_mask
 
@@ -126,10 +126,7 @@ class ModelDrafter(Drafter):
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self._reset()
         self.sampling = sampling or SamplingParams()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed + 1)  # not the verifier's stream
+        reseed(self.generator, seed)
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V_draft) -> (..., V_target): rows past the tokenizer's ids are padding; missing ones -inf."""
