@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -148,7 +149,7 @@ def ensure_writable_dir(path: str | Path) -> Path:
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
+        probe = path / f".write-test-{os.getpid()}"  # one per process: DDP ranks check the same folder at once
         probe.touch()
         probe.unlink()
     except OSError as e:
