@@ -66,12 +66,32 @@ def test_greedy_identity_with_a_reduced_draft_vocabulary(tmp_path, tiny_model_di
 
 
 def test_sampling_first_three_tokens_match_plain_sampling():
-    """First 3 tokens with a Medusa drafter (random heads, 3 deep, budget 12) at T=0.8, top-p 0.9,
-    against their exact distribution. Fails when the chi-square p-value is below 1e-3: a correct
-    implementation fails with probability 0.1 % (fixed seeds make the outcome reproducible)."""
+    """First 3 tokens with a Medusa drafter (random heads, 3 deep, budget 12; at T > 0 the tree is
+    sampled, q recorded) at T=0.8, top-p 0.9, against their exact distribution. Fails when the
+    chi-square p-value is below 1e-3: a correct implementation fails with probability 0.1 % (fixed
+    seeds make the outcome reproducible)."""
     model = sampling_model()
     acc = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
     drafter = MedusaDrafter.from_accuracies(
         random_heads("medusa", model, 0.3, num_heads=3), model.lm_head, acc, budget=12
     )
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
+
+
+def test_tree_is_sampled_above_temperature_zero_only():
+    """Same shape at every temperature; point masses at T=0, drawn siblings with their q at T=1."""
+    from runtime.sampling import SamplingParams
+
+    model = sampling_model(vocab=32)
+    acc = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
+    drafter = MedusaDrafter.from_accuracies(random_heads("medusa", model, 0.3, num_heads=3), model.lm_head, acc, 8)
+    hidden = torch.randn(4, model.config.hidden_size)
+    for sampling, sampled in ((SamplingParams(), False), (SamplingParams(temperature=1.0), True)):
+        drafter.start([1, 2, 3, 4, 5], hidden, sampling, seed=0)
+        tree = drafter.propose([1, 2, 3, 4, 5])
+        assert sorted(tree.depths) == sorted(map(len, drafter.shape)) and (tree.draft_probs is not None) == sampled
+        if sampled:  # each child's token has q > 0 in its row; siblings distinct
+            assert all(tree.draft_probs[i, t] > 0 for i, t in enumerate(tree.tokens))
+            for parent in set(tree.parents):
+                kids = [t for t, p in zip(tree.tokens, tree.parents, strict=True) if p == parent]
+                assert len(kids) == len(set(kids))

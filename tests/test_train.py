@@ -16,7 +16,7 @@ from train import heads as train_heads
 from train.config import ConfigError, load_config
 from train.data import Row, collate, make_batches
 from train.distill import SUMMARY_PREFIX, distill, summary_prompts
-from train.losses import head_metrics, medusa_labels
+from train.losses import eagle_unroll, head_metrics, medusa_labels, unroll_mask
 
 
 def write_shards(path, n_rows=40, seed=0):
@@ -63,6 +63,48 @@ def test_head_metrics_conditional_acceptance():
     assert m["acceptance_length"] == pytest.approx(1 + 0.75 + 0.75 * 2 / 3)
 
 
+def test_unroll_mask_drawn_out():
+    """Step 3 of the unrolled EAGLE head, T = 5: row s has its root at s - 2; x = attends."""
+    drawn = """
+        step 1 step 2 step 3
+        .....  .....  x....
+        .....  x....  .x...
+        x....  .x...  ..x..
+        xx...  ..x..  ...x.
+        xxx..  ...x.  ....x
+    """
+    rows = [line.split() for line in drawn.strip().splitlines()[1:]]
+    expected = torch.tensor([[c == "x" for c in "".join(row)] for row in rows])
+    assert torch.equal(unroll_mask(5, 3), expected)
+    assert torch.equal(unroll_mask(5, 1), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_unroll_matches_drafting_step_by_step():
+    """out_k[s] of eagle_unroll = the head run as the drafter runs it: true pairs up to the root
+    r = s - k + 1 in its cache, then one call per step on its own previous output."""
+    from transformers import DynamicCache
+
+    from heads.checkpoint import build_heads
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(vocab_size=64)
+    torch.manual_seed(0)
+    head = build_heads("eagle", model).eval()
+    for p in head.parameters():
+        p.data.normal_(0, 0.1)
+    T, H = 7, model.config.hidden_size
+    features, embeds = torch.randn(1, T, H), torch.randn(1, T, H)  # embeds[s]: token s + 1
+    with torch.no_grad():
+        outs = eagle_unroll(head, features, embeds, 3)
+        for k in (1, 2, 3):
+            for r in range(T - k + 1):
+                cache = DynamicCache()
+                out = head(features[:, : r + 1], embeds[:, : r + 1], torch.arange(r + 1)[None], cache=cache)[:, -1:]
+                for s in range(r + 1, r + k):  # the k - 1 drafting calls after the root
+                    out = head(out, embeds[:, s : s + 1], torch.tensor([[s]]), cache=cache)
+                torch.testing.assert_close(outs[k - 1][:, r + k - 1], out[:, 0], rtol=1e-4, atol=1e-5)
+
+
 def test_batches_and_loss_mask():
     rows = [Row([1, 2, 3, 4, 5], 2), Row([6, 7, 8], 1), Row(list(range(10, 30)), 5)]
     batches = make_batches(rows, batch_tokens=10, seed=0)
@@ -100,7 +142,8 @@ def test_cli_errors(tmp_path, capsys, tiny_model_dir):
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_training_reduces_loss_and_saves_heads(tmp_path, tiny_model_dir, kind):
-    cfg = make_cfg(tmp_path, tiny_model_dir, kind, **{"optim.max_steps": 12})
+    unroll = {"heads.unroll": 3, "heads.unroll_from_step": 4} if kind == "eagle" else {}  # eagle: 1 step, then 3
+    cfg = make_cfg(tmp_path, tiny_model_dir, kind, **{"optim.max_steps": 12}, **unroll)
     metrics = train_heads.run(cfg)[kind]
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     losses = [x["train/loss"] for x in lines]
@@ -119,18 +162,19 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
     expected = load_file(tmp_path / "a" / "out" / "heads" / "model.safetensors")
 
     cfg = make_cfg(tmp_path / "b", tiny_model_dir, "eagle")
-    original = train_heads.Trainer.save_checkpoint
+    original = train_heads.Trainer.loss
 
-    def save_then_die(self, step):
-        original(self, step)
-        raise KeyboardInterrupt  # killed right after the first checkpoint (step 3 of 6)
+    def die_in_step_5(self, batch, step=0):
+        if step == 4:
+            raise KeyboardInterrupt  # killed in step 5: step 4 is logged, the last checkpoint is step 3's
+        return original(self, batch, step)
 
-    monkeypatch.setattr(train_heads.Trainer, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(train_heads.Trainer, "loss", die_in_step_5)
     with pytest.raises(KeyboardInterrupt):
         train_heads.run(cfg)
-    monkeypatch.setattr(train_heads.Trainer, "save_checkpoint", original)
+    monkeypatch.setattr(train_heads.Trainer, "loss", original)
     assert not (tmp_path / "b" / "out" / "heads").exists()
-    train_heads.run(cfg)  # the same command again: resumes at step 3
+    train_heads.run(cfg)  # the same command again: resumes at step 3, step 4's log line replaced
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # steps 1-3 ran once: the second run resumed, it did not start over
     resumed = load_file(tmp_path / "b" / "out" / "heads" / "model.safetensors")
@@ -201,10 +245,11 @@ def test_summary_prompts_over_earlier_answers(tmp_path):
 PINNED = {  # five AdamW steps on one fixed batch; recompute only for a deliberate change of the loss
     "medusa": [22.465492, 18.995012, 15.653320, 12.370611, 9.235425],
     "eagle": [0.930449, 0.706618, 0.572322, 0.480472, 0.415322],
+    "eagle-unroll3": [0.879992, 0.746211, 0.660301, 0.619212, 0.537920],
 }
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", list(PINNED))
 def test_fixed_batch_losses_are_pinned(kind):
     from heads.checkpoint import build_heads
     from tests.conftest import tiny_llama
@@ -212,6 +257,7 @@ def test_fixed_batch_losses_are_pinned(kind):
 
     model = tiny_llama(vocab_size=64, init_std=0.2)
     torch.manual_seed(0)
+    kind, _, unroll = kind.partition("-unroll")
     heads = build_heads(kind, model)
     if kind == "medusa":
         for p in heads.parameters():  # zero-initialised blocks would make every head equal at step 0
@@ -228,13 +274,14 @@ def test_fixed_batch_losses_are_pinned(kind):
         if kind == "medusa":
             loss = medusa_loss(heads, hidden, model.lm_head, ids, mask, heads.num_heads)
         else:
-            loss, _ = eagle_loss(heads, hidden, model.model.embed_tokens, model.lm_head, ids, mask)
+            embed, lm_head = model.model.embed_tokens, model.lm_head
+            loss, _ = eagle_loss(heads, hidden, embed, lm_head, ids, mask, unroll=int(unroll or 1))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    assert losses == pytest.approx(PINNED[kind], rel=1e-4)
+    assert losses == pytest.approx(PINNED[kind + (f"-unroll{unroll}" if unroll else "")], rel=1e-4)
 
 
 def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir):

@@ -32,7 +32,7 @@ from runtime.tree import choose_tree_shape
 from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from train.data import Row, collate, load_rows, make_batches, split_rows
 from train.features import FeatureCache, final_features
-from train.losses import eagle_loss, eagle_predict, head_metrics, medusa_labels, medusa_loss
+from train.losses import eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
 
 EVAL_TOPK = 5
 RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
@@ -138,14 +138,16 @@ class Trainer:
             return self.features.batch(batch["row_index"].tolist(), width).to(self.acc.device).float()
         return final_features(self.model, batch["input_ids"], batch["attention_mask"]).float()
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, batch: dict[str, torch.Tensor], step: int = 0) -> torch.Tensor:
+        """The training loss of one micro-batch at optimizer step `step` (0-based)."""
         hidden = self.target_features(batch)
-        if self.cfg.heads.kind == "medusa":
-            ids, mask, k = batch["input_ids"], batch["loss_mask"], self.cfg.heads.num_heads
+        cfg = self.cfg.heads
+        if cfg.kind == "medusa":
+            ids, mask, k = batch["input_ids"], batch["loss_mask"], cfg.num_heads
             return medusa_loss(self.heads, hidden, self.readout_f32, ids, mask, k, self.readout.to_draft)
         loss, _ = eagle_loss(
             self.heads, hidden, self.embed_f32, self.readout_f32, batch["input_ids"], batch["loss_mask"],
-            noise=self.cfg.heads.feature_noise, ce_weight=self.cfg.heads.ce_weight,
+            noise=cfg.feature_noise, ce_weight=cfg.ce_weight, unroll=cfg.unroll if step >= cfg.unroll_from_step else 1,
         )  # fmt: skip
         return loss
 
@@ -193,25 +195,26 @@ class Trainer:
     def head_logits_for_eval(self, heads, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
         """Logits at each position t for the token k+1 places ahead, k = 1..K.
 
-        EAGLE "head k" is the k-th autoregressive step: its input features are the previous step's
-        predictions (at every position at once, so the context too is predicted: a pessimistic
-        simulation of drafting) and the embeddings of the true tokens.
+        EAGLE "head k" is the k-th autoregressive step after a root at t, run as drafting runs it
+        (`eagle_unroll`: true features up to the root, then the head's own predictions along the
+        path of true tokens), so the chain metrics simulate drafting with every earlier guess right.
         """
         K = self.cfg.heads.num_heads
         if self.cfg.heads.kind == "medusa":
             feats = heads.features(hidden)
             return [heads.head_logits(k, feats[k - 1], self.readout_f32) for k in range(1, K + 1)]
-        out, feats = [], hidden
-        for k in range(1, K + 1):
-            feats = eagle_predict(heads, feats[:, :-1], self.embed_f32(ids[:, k:]))  # position t predicts t+k
-            out.append(self.readout_f32(feats))
-        return out
+        outs = eagle_unroll(heads, hidden[:, :-1], self.embed_f32(ids[:, 1:]), K)  # out_k[s]: root s - k + 1
+        return [self.readout_f32(out[:, k - 1 :]) for k, out in enumerate(outs, 1)]  # re-indexed by root
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
     @property
     def ckpt_root(self) -> Path:
         return Path(self.cfg.output_dir) / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return Path(self.cfg.output_dir) / "metrics.jsonl"
 
     def save_checkpoint(self, step: int) -> None:
         path = self.ckpt_root / f"step-{step:07d}"
@@ -231,6 +234,8 @@ class Trainer:
         self.acc.load_state(str(done[-1]))
         step = json.loads((done[-1] / "trainer.json").read_text())["step"]
         self.acc.print(f"headstart: resuming from {done[-1]} (step {step})")
+        if self.acc.is_main_process:
+            drop_metrics_after(self.metrics_file, step)
         return step
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -241,7 +246,6 @@ class Trainer:
         start = self.resume()
         world, rank = acc.num_processes, acc.process_index
         accum = cfg.optim.grad_accum
-        metrics_file = out / "metrics.jsonl"
         tokens, t0 = 0, time.perf_counter()
         from tqdm import tqdm
 
@@ -256,7 +260,7 @@ class Trainer:
                 tokens += int(batch["attention_mask"].sum())
                 sync = acc.no_sync(self.heads) if micro < accum - 1 else contextlib.nullcontext()
                 with sync, acc.autocast():
-                    loss = self.loss(batch) / accum
+                    loss = self.loss(batch, step) / accum
                 acc.backward(loss)
                 total += loss.item()
             acc.clip_grad_norm_(self.heads.parameters(), cfg.optim.grad_clip)
@@ -278,7 +282,7 @@ class Trainer:
             if record:
                 acc.log(record, step=done)
                 if acc.is_main_process:
-                    with metrics_file.open("a") as f:
+                    with self.metrics_file.open("a") as f:
                         f.write(json.dumps({"step": done, **record}) + "\n")
             if done % cfg.save_every == 0 or done == cfg.optim.max_steps:
                 self.save_checkpoint(done)
@@ -300,11 +304,27 @@ class Trainer:
         return metrics
 
 
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Remove the lines of steps after `step` that a killed run logged past its last checkpoint (and a
+    line cut short by the kill)."""
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+
+    if path.is_file():
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
+
+
 def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
     """Train each head kind of `cfg.heads.kind` ("medusa", "eagle" or both); returns {kind: held-out metrics}."""
     kinds = [k.strip() for k in cfg.heads.kind.split(",") if k.strip()]
     if not kinds or any(k not in ("medusa", "eagle") for k in kinds):
         raise ConfigError(f"heads.kind must be medusa, eagle or medusa,eagle; got '{cfg.heads.kind}'")
+    if cfg.heads.unroll < 1:
+        raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
     if len(kinds) == 1:
         return {kinds[0]: run_one(cfg)}
     results = {}

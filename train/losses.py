@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.eagle import EagleHead
+from runtime.tree import additive_mask
 
 
 def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,11 +46,43 @@ def medusa_loss(heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_hea
     return total
 
 
-def eagle_predict(head: EagleHead, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
-    """Predicted features (B, T, H) at t+1 from features at t and embeddings of tokens t+1 (causal)."""
+def unroll_mask(T: int, step: int) -> torch.Tensor:
+    """(T, step * T) bool: the keys that row s of unroll step `step` (1-based) attends to.
+
+    Keys are the head's entries of steps 1..step, T each, in that order. Row s of step k drafts as
+    the k-th autoregressive head call after a root at r = s - k + 1 does at inference: it sees the
+    entries of true features at positions <= r (step 1), then the entry its own path wrote at each
+    earlier step m (column s - k + m of step m), itself last. Step 1 is plain causal attention.
+    Rows with r < 0 have no root; they see only their own earlier-step entries and are not scored.
+    """
+    s = torch.arange(T)[:, None]
+    j = torch.arange(T)[None]
+    blocks = [j <= s - step + 1]  # step 1: true features up to the root
+    blocks += [j == s - step + m for m in range(2, step + 1)]  # steps 2..k: one entry of its own path each
+    return torch.cat(blocks, dim=1)
+
+
+def eagle_unroll(head: EagleHead, features: torch.Tensor, next_embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head run `steps` times on its own outputs, as drafting does (EAGLE-3's "training-time test").
+
+    Step 1 is causal over true features: out_1[s] ~ feature(s+1) from feature(s) and token s+1.
+    Step k's input at s is out_{k-1}[s-1], the previous step's prediction of feature(s), beside the
+    true token s+1; it    attends as `unroll_mask` says, so out_k[s] ~ feature(s+1) predicted k steps after the root
+    s - k + 1 with the true tokens in between (the chain where every earlier draft was right).
+    Returns [out_1, ..., out_steps], each (B, T, H).
+    """
+    from transformers import DynamicCache
+
     B, T, _ = features.shape
     positions = torch.arange(T, device=features.device)[None].expand(B, T)
-    return head(features, next_embeds, positions)
+    cache = DynamicCache()
+    outs: list[torch.Tensor] = []
+    inputs = features
+    for step in range(1, steps + 1):
+        mask = None if step == 1 else additive_mask(unroll_mask(T, step), features.dtype, features.device)
+        outs.append(head(inputs, next_embeds, positions, mask, cache=cache))
+        inputs = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # out_k[s-1] feeds step k+1 at s
+    return outs
 
 
 def eagle_loss(
@@ -61,22 +94,32 @@ def eagle_loss(
     loss_mask: torch.Tensor,
     noise: float = 0.0,
     ce_weight: float = 0.1,
+    unroll: int = 1,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SmoothL1 on the next feature + ce_weight * cross-entropy against the target's next-token distribution."""
+    """Mean over unroll steps of SmoothL1 on the next feature + ce_weight * cross-entropy against the
+    target's next-token distribution (p); step k is scored where it has a root (s >= k - 1)."""
     features = hidden[:, :-1]
     if noise:
         features = features + (torch.rand_like(features) - 0.5) * noise  # uniform U(-noise/2, noise/2)
-    pred = eagle_predict(head, features, embed(input_ids[:, 1:]))  # (B, T-1, H) ~ hidden[:, 1:]
+    next_embeds = embed(input_ids[:, 1:])
+    preds = eagle_unroll(head, features, next_embeds, unroll)  # unroll x (B, T-1, H) ~ hidden[:, 1:]
     valid = loss_mask[:, 1:]
     if not valid.any():
-        zero = pred.sum() * 0
+        zero = sum(pred.sum() for pred in preds) * 0
         return zero, {"feature_loss": zero, "ce_loss": zero}
     truth = hidden[:, 1:][valid]  # (N, H)
-    feature_loss = F.smooth_l1_loss(pred[valid].float(), truth.float())
     with torch.no_grad():
         p = lm_head(truth).float().softmax(-1)  # the target's distribution of token t+2
-    log_q = lm_head(pred[valid]).float().log_softmax(-1)
-    ce_loss = -(p * log_q).sum(-1).mean()
+    feature_loss = ce_loss = hidden.new_zeros((), dtype=torch.float32)
+    for k, pred in enumerate(preds):
+        rooted = valid.clone()
+        rooted[:, :k] = False  # step k+1 at s needs a root at s - k >= 0
+        keep = rooted[valid]  # (N,)
+        if not keep.any():
+            continue
+        feature_loss = feature_loss + F.smooth_l1_loss(pred[rooted].float(), truth[keep].float()) / unroll
+        log_q = lm_head(pred[rooted]).float().log_softmax(-1)
+        ce_loss = ce_loss - (p[keep] * log_q).sum(-1).mean() / unroll
     return feature_loss + ce_weight * ce_loss, {"feature_loss": feature_loss, "ce_loss": ce_loss}
 
 
