@@ -119,12 +119,12 @@ def run_bench(
     seed: int = 0,
     heads: dict[str, str | None] | None = None,
     model_name: str | None = None,
-    **draft_options: str | None,
+    **draft_options: str | int | None,
 ) -> list[Record]:
     """Every method on every prompt and temperature.
 
     `heads` maps medusa/eagle to checkpoint directories; missing ones are the heads shipped for `model_name`.
-    `draft_options` (draft_layers, draft_model) go to the layerskip and model drafters.
+    `draft_options` (draft_layers, draft_model; tree_depth, tree_top_k) go to every drafter that takes them.
     """
     heads = heads or {}
     model, tokenizer = engine.target.model, engine.tokenizer

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
     b.add_argument("--draft-layers", default=None, help="layerskip: N first layers or a list 0,1,2,5")
     b.add_argument("--draft-model", default=None, help="model: the draft model")
+    b.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
+    b.add_argument("--tree-top-k", type=int, default=None, help="eagle, model, layerskip: nodes expanded per depth")
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
     b.add_argument("--categories", default=None, help="comma list (default: all six; mt_bench = the 8 of MT-bench)")
     b.add_argument("--limit-per-category", type=int, default=None)
@@ -310,6 +312,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     records = bench.run_bench(
         engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed,
         heads, args.model, draft_layers=args.draft_layers, draft_model=args.draft_model,
+        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
     )  # fmt: skip
     table = bench.summarize(records)
     machine = (

@@ -61,6 +61,26 @@ def test_bench_method_variants_layerskip_n(tiny_model_dir, tmp_path):
     assert bench.method_drafter("eagle:8", {}) == ("eagle", {"tree_budget": 8})
 
 
+def test_bench_cli_tree_options_reach_the_drafters(tiny_model_dir, tmp_path, monkeypatch):
+    """--tree-depth / --tree-top-k go to every drafter that takes them; the saved command shows them."""
+    import runtime.bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "1", "category": "a", "turns": ["the cat sat on the mat"]}) + "\n")
+    built = []
+    make = runtime.bench.make_drafter
+    monkeypatch.setattr(runtime.bench, "make_drafter", lambda *a, **k: built.append((a[0], k)) or make(*a, **k))
+    argv = ["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods",
+            "plain,lookup,layerskip:1", "--tree-depth", "3", "--tree-top-k", "2", "--max-new-tokens", "6",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 0
+    assert [(name, k["tree_depth"], k["tree_top_k"]) for name, k in built] == [
+        ("none", 3, 2), ("lookup", 3, 2), ("layerskip", 3, 2)
+    ]  # fmt: skip
+    saved = json.loads(next((tmp_path / "out").glob("bench-*.json")).read_text())
+    assert "--tree-depth 3 --tree-top-k 2" in saved["meta"]["command"]
+
+
 def test_trained_drafters_default_to_the_shipped_heads(tiny_model_dir):
     from heads.checkpoint import shipped_heads
     from runtime.drafters import make_drafter
