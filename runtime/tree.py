@@ -121,11 +121,13 @@ class TreeGrower:
 
     Depth by depth: `expand(frontier, past)` picks the `top_k` frontier nodes of highest cumulative
     log-probability and says what each may attend to; the drafter runs them in one forward and gives
-    them their children with `add_children`. `tree(budget)` reranks.
+    them their children with `add_children`. `tree()` reranks and keeps the `budget` best.
+    Growth stops early, with the same tree, once no child of the frontier can enter the best `budget`
+    (a child's cumulative log-probability never exceeds its parent's): a forward saved.
     """
 
-    def __init__(self, top_k: int) -> None:
-        self.top_k = top_k
+    def __init__(self, top_k: int, budget: int) -> None:
+        self.top_k, self.budget = top_k, budget
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.scores: list[float] = []  # cumulative log-probability of each node's path
@@ -152,8 +154,14 @@ class TreeGrower:
         return chosen, self.attend(chosen, past)
 
     def choose(self, frontier: list[int]) -> list[int]:
-        """The frontier nodes to expand: the `top_k` of highest cumulative log-probability."""
-        return sorted(frontier, key=lambda i: -self.scores[i])[: self.top_k]
+        """The frontier nodes to expand: the `top_k` of highest cumulative log-probability; none when
+        the `budget`-th best drafted node already scores at least as high as the best of them (children
+        come later in the drafted order, so they lose ties in `rerank`)."""
+        chosen = sorted(frontier, key=lambda i: -self.scores[i])[: self.top_k]
+        full = chosen and len(self.scores) >= self.budget
+        if full and heapq.nlargest(self.budget, self.scores)[-1] >= self.scores[chosen[0]]:
+            return []
+        return chosen
 
     def attend(self, chosen: list[int], past: int) -> torch.Tensor:
         drafted = len(self.slot)
@@ -172,8 +180,8 @@ class TreeGrower:
         """Entries the drafter's cache gained while growing (to crop afterwards)."""
         return len(self.slot)
 
-    def tree(self, budget: int) -> DraftTree:
-        return rerank(self.tokens, self.parents, self.scores, budget)
+    def tree(self) -> DraftTree:
+        return rerank(self.tokens, self.parents, self.scores, self.budget)
 
 
 class ShapeSampler(TreeGrower):
@@ -192,7 +200,7 @@ class ShapeSampler(TreeGrower):
     def __init__(
         self, shape: list[tuple[int, ...]], sampling: SamplingParams, vocab_size: int, generator: torch.Generator
     ) -> None:
-        super().__init__(top_k=0)
+        super().__init__(top_k=0, budget=len(shape))
         self.kids: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # path -> child paths, by rank
         for path in shape:
             self.kids.setdefault(path[:-1], []).append(path)
@@ -241,7 +249,7 @@ class ShapeSampler(TreeGrower):
         self.to_target = to_target
         return new
 
-    def tree(self, budget: int | None = None) -> DraftTree:
+    def tree(self) -> DraftTree:
         """Every drawn node (the shape already has the budget's size), siblings in the order drawn."""
         if not self.rows:
             return DraftTree(list(self.tokens), list(self.parents))

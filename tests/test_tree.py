@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runtime.tree import DraftTree, tree_attention_inputs
+from runtime.tree import DraftTree, TreeGrower, tree_attention_inputs
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -118,3 +118,30 @@ def test_shape_sampler_stops_when_q_runs_out():
     grow.add_children([-1], torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]))
     tree = grow.tree()
     assert sorted(tree.tokens) == [3, 4] and tree.parents == [-1, -1]  # top-k 2 leaves two tokens
+
+
+def test_tree_growth_stops_once_no_child_can_enter_the_budget():
+    """top_k 2. Path probabilities (tokens 0, 1, 2 at every node):
+
+        root ├─ a (tok 0) 0.5  ├─ c (tok 0) 0.5 x 0.5 = 0.25
+             │                 └─ d (tok 1) 0.5 x 0.3 = 0.15
+             └─ b (tok 1) 0.4  ├─ e (tok 0) 0.4 x 0.9 = 0.36
+                               └─ f (tok 1) 0.4 x 0.06 = 0.024
+
+    Budget 3 keeps a, b, e. The best frontier node, e, is itself the 3rd best: its children score at
+    most 0.36 and come later, so none can enter; growth stops (one head forward saved). With budget 4
+    the 4th best is c (0.25) < e: e and c are expanded."""
+
+    def grown(budget: int):
+        grow = TreeGrower(top_k=2, budget=budget)
+        frontier = grow.add_children([-1], torch.tensor([[0.5, 0.4, 0.1]]).log())
+        children = torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.06, 0.04]]).log()
+        return grow, grow.add_children(grow.choose(frontier), children)
+
+    grow, frontier = grown(budget=3)
+    assert [grow.scores[n] for n in frontier] == pytest.approx(torch.tensor([0.25, 0.15, 0.36, 0.024]).log().tolist())
+    assert grow.choose(frontier) == []
+    tree = grow.tree()
+    assert (tree.tokens, tree.parents) == ([0, 1, 0], [-1, -1, 1])  # a, b, then e under b
+    grow, frontier = grown(budget=4)
+    assert grow.choose(frontier) == [frontier[2], frontier[0]]  # e, c

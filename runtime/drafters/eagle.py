@@ -99,7 +99,7 @@ class EagleDrafter(Drafter):
         if self.shape is not None and not self.sampling.greedy:
             grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator)
         else:
-            grow = TreeGrower(self.top_k)
+            grow = TreeGrower(self.top_k, self.budget)
         frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
             expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
@@ -114,4 +114,4 @@ class EagleDrafter(Drafter):
             frontier = grow.add_children(expand, logits, self.readout.to_target)
         if grow.n_drafted:
             self.cache.crop(-grow.n_drafted)  # drafted entries never stay in the head's cache
-        return grow.tree(self.budget)
+        return grow.tree()

@@ -184,10 +184,12 @@ class ModelDrafter(Drafter):
         """EAGLE-2's dynamic tree over the draft model's log-probabilities (point masses); see the module doc."""
         past = len(self.cached)  # the context: the root sits at position past - 1
         dtype, device = self.model.dtype, self.model.device
-        grow = TreeGrower(self.top_k)
+        grow = TreeGrower(self.top_k, self.budget)
         frontier = grow.add_children([-1], root_logits[None])
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
             expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
+            if not expand:
+                break
             out = self.model(
                 input_ids=torch.tensor([[grow.tokens[n] for n in expand]], device=device),
                 attention_mask=additive_mask(allowed, dtype, device),  # (1, 1, m, past + drafted) float
@@ -199,4 +201,4 @@ class ModelDrafter(Drafter):
             frontier = grow.add_children(expand, logits)
         if grow.n_drafted:
             self.cache.crop(-grow.n_drafted)  # drafted entries never stay in the draft cache
-        return grow.tree(self.budget)
+        return grow.tree()
