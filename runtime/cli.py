@@ -32,7 +32,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa", "eagle", "model", "layerskip"])
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="nodes per tree (default: medusa the saved shape, others 16)")  # fmt: skip
+                   help="nodes per tree (default: medusa the saved shape, eagle 12, others 16)")  # fmt: skip
     p.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="eagle, model, layerskip: nodes expanded and children per node (model, layerskip: 1 = a chain, "
