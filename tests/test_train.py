@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,9 @@ def test_cli_errors(tmp_path, capsys, tiny_model_dir):
     assert train_heads.main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "is not writable" in err and err.count("\n") == 1
+    smoke = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
+    assert train_heads.main(["--config", smoke, "heads.kind=eagle", "heads.unroll=0"]) == 2
+    assert "heads.unroll must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
