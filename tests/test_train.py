@@ -288,7 +288,12 @@ def test_fixed_batch_losses_are_pinned(kind):
     assert losses == pytest.approx(PINNED[kind + (f"-unroll{unroll}" if unroll else "")], rel=1e-4)
 
 
-def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize(
+    "heads",
+    [["heads.kind=medusa"], ["heads.kind=eagle", "heads.unroll=2", "heads.feature_noise=0"]],  # noise: per-rank RNG
+    ids=["medusa", "eagle-unroll2"],  # eagle: several head forwards before one backward under DDP
+)
+def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
     """`accelerate launch --multi_gpu --num_processes 2` on the CPU (gloo) against 1 process with the
     same global batch (2 accumulated micro-batches): the same loss curve and the same final weights."""
     import os
@@ -301,7 +306,7 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir):
     empty.write_text("# every key comes from the command line\n")
     script = Path(__file__).resolve().parents[1] / "train" / "heads.py"
     common = [
-        f"target.model={tiny_model_dir}", "heads.kind=medusa", "heads.num_heads=2", f"data.path={tmp_path / 'data'}",
+        *heads, f"target.model={tiny_model_dir}", "heads.num_heads=2", f"data.path={tmp_path / 'data'}",
         "data.eval_rows=8", "data.batch_tokens=96", "optim.max_steps=4", "log_every=1", "eval_every=4",
         "save_every=4", "report_to=none",
     ]  # fmt: skip
