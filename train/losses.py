@@ -67,8 +67,9 @@ def eagle_unroll(head: EagleHead, features: torch.Tensor, next_embeds: torch.Ten
 
     Step 1 is causal over true features: out_1[s] ~ feature(s+1) from feature(s) and token s+1.
     Step k's input at s is out_{k-1}[s-1], the previous step's prediction of feature(s), beside the
-    true token s+1; it    attends as `unroll_mask` says, so out_k[s] ~ feature(s+1) predicted k steps after the root
-    s - k + 1 with the true tokens in between (the chain where every earlier draft was right).
+    true token s+1; it attends as `unroll_mask` says, so out_k[s] ~ feature(s+1) predicted k steps
+    after the root s - k + 1 with the true tokens in between (the chain where every earlier draft
+    was right).
     Returns [out_1, ..., out_steps], each (B, T, H).
     """
     from transformers import DynamicCache

@@ -13,14 +13,6 @@ from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
 
-def reseed(generator: torch.Generator, seed: int | None) -> None:
-    """Seed a drafter's own random stream from the decode's `seed` (+1: not the verifier's stream)."""
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed + 1)
-
-
 class Drafter:
     """Base class: proposes nothing (plain decoding)."""
 
@@ -44,6 +36,23 @@ class Drafter:
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         """The target accepted `path` of `tree` (its features `hidden`, (n+1, H)) and chose `next_token`."""
+
+
+class SamplingDrafter(Drafter):
+    """Base of the drafters that sample their guesses at T > 0: the decode's sampling parameters and a
+    random stream of their own."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.sampling = SamplingParams()
+        self.generator = torch.Generator(device=device)
+
+    def start_sampling(self, sampling: SamplingParams | None, seed: int | None) -> None:
+        """Take the decode's `sampling`; seed the stream from its `seed` (+1: not the verifier's stream)."""
+        self.sampling = sampling or SamplingParams()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed + 1)
 
 
 def make_drafter(

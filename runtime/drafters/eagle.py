@@ -26,12 +26,12 @@ from torch import nn
 from transformers import DynamicCache
 
 from heads.eagle import EagleHead
-from runtime.drafters import Drafter, reseed
+from runtime.drafters import SamplingDrafter
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(SamplingDrafter):
     name = "eagle"
 
     def __init__(
@@ -49,12 +49,11 @@ class EagleDrafter(Drafter):
         temperature."""
         if min(depth, top_k, budget) < 1:
             raise ValueError(f"depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
+        super().__init__(lm_head.weight.device)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head)
         self.vocab_size = lm_head.weight.shape[0]
         self.depth, self.top_k, self.budget = depth, top_k, budget
         self.shape = choose_tree_shape(rank_accuracy, budget) if rank_accuracy else None
-        self.sampling = SamplingParams()
-        self.generator = torch.Generator(device=lm_head.weight.device)
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
 
@@ -81,8 +80,7 @@ class EagleDrafter(Drafter):
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()
         self._root_feature = None
-        self.sampling = sampling or SamplingParams()
-        reseed(self.generator, seed)
+        self.start_sampling(sampling, seed)
         if prompt_hidden is not None and len(prompt_hidden):
             self._commit(prompt_hidden, prompt_ids[1:])
 

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from heads.medusa import MedusaHeads
-from runtime.drafters import Drafter, reseed
+from runtime.drafters import SamplingDrafter
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree, ShapeSampler, choose_tree_shape
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(SamplingDrafter):
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, lm_head: nn.Module, shape: list[tuple[int, ...]]) -> None:
@@ -35,14 +35,13 @@ class MedusaDrafter(Drafter):
         bad = [p for i, p in enumerate(shape) if len(p) > 1 and index.get(p[:-1], len(shape)) > i]
         if bad:
             raise ValueError(f"tree shape must list every parent before its children (bad: {bad[:3]})")
+        super().__init__(lm_head.weight.device)
         self.heads, self.readout, self.shape = heads, heads.readout(lm_head), shape
         self.depth = depth
         self.ranks = max(p[-1] for p in shape) + 1
         self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in shape]
         self._feature: torch.Tensor | None = None  # (H,) target feature just before the root
         self.vocab_size = lm_head.weight.shape[0]
-        self.sampling = SamplingParams()
-        self.generator = torch.Generator(device=lm_head.weight.device)
 
     @classmethod
     def from_accuracies(cls, heads: MedusaHeads, lm_head: nn.Module, rank_accuracy, budget: int) -> MedusaDrafter:
@@ -50,8 +49,7 @@ class MedusaDrafter(Drafter):
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self._feature = prompt_hidden[-1] if prompt_hidden is not None and len(prompt_hidden) else None
-        self.sampling = sampling or SamplingParams()
-        reseed(self.generator, seed)
+        self.start_sampling(sampling, seed)
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from runtime.drafters import Drafter, reseed
+from runtime.drafters import SamplingDrafter
 from runtime.sampling import SamplingParams, target_probs
 from runtime.tree import DraftTree, TreeGrower, additive_mask
 
@@ -88,7 +88,7 @@ class LayerSubsetCache(DynamicCache):
         return super().update(key_states, value_states, self.slot[layer_idx], *args, **kwargs)
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(SamplingDrafter):
     name = "model"
 
     def __init__(
@@ -104,11 +104,10 @@ class ModelDrafter(Drafter):
         indices of a layer-skip view's layers (`layerskip_model`), None for a real model."""
         if min(depth, top_k, budget) < 1:
             raise ValueError(f"draft depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
+        super().__init__(model.device)
         self.model, self.depth, self.top_k, self.budget, self.layers = model, depth, top_k, budget, layers
         self.vocab_size = vocab_size or model.config.vocab_size  # the target's V: q rows have this length
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-        self.sampling = SamplingParams()
-        self.generator = torch.Generator(device=model.device)
         self._reset()
 
     @classmethod
@@ -125,8 +124,7 @@ class ModelDrafter(Drafter):
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self._reset()
-        self.sampling = sampling or SamplingParams()
-        reseed(self.generator, seed)
+        self.start_sampling(sampling, seed)
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V_draft) -> (..., V_target): rows past the tokenizer's ids are padding; missing ones -inf."""
