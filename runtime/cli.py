@@ -11,6 +11,7 @@ from runtime.bench import METHODS
 from runtime.models import DEFAULT_MODEL, DTYPES
 from runtime.prompts import Prompt, load_prompts
 from runtime.sampling import SamplingParams
+from train.distill import DERIVED
 
 
 class UserError(Exception):
@@ -95,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
     ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")
     ds.add_argument("--permissive-only", action="store_true", help="only rows with permissive: true")
-    ds.add_argument("--summaries-of", default=None, metavar="DIR",
-                    help="instead of --prompts: summarisation prompts over the answers distilled in DIR")  # fmt: skip
+    ds.add_argument("--derive", default=None, choices=tuple(DERIVED),
+                    help="instead of --prompts: prompts of this task over the answers already in --out")  # fmt: skip
     ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
@@ -262,18 +263,18 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from runtime.models import load_model
-    from train.distill import distill, summary_prompts
+    from train.distill import derived_prompts, distill
 
     _check_lengths(args)
     SamplingParams(args.temperature)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--batch-size and --limit must be >= 1")
-    if args.summaries_of is None:
+    if args.derive is None:
         prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
                                skip_malformed=True)  # fmt: skip
     model, tokenizer = load_model(args.model, args.dtype, args.device)
-    if args.summaries_of is not None:
-        prompts = summary_prompts(args.summaries_of, tokenizer, args.limit or 1000)
+    if args.derive is not None:
+        prompts = derived_prompts(args.derive, args.out, tokenizer, args.limit or 1000)
     stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                     seed=args.seed)  # fmt: skip
     print(

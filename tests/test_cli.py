@@ -91,16 +91,16 @@ def test_json_output_from_the_console_script(tiny_model_dir, tmp_path):
     assert "tok/s" in plain.stderr and plain.stdout.strip()
 
 
-def test_distill_summaries_of_bad_folder_one_line(capsys, tmp_path, tiny_model_dir):
+def test_distill_derive_with_nothing_usable_one_line(capsys, tmp_path, tiny_model_dir):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p0", "category": "qa", "turns": ["the cat sat"]}) + "\n")
     out = tmp_path / "distilled"
     common = ["distill", "--model", str(tiny_model_dir), "--dtype", "float32", "--out", str(out)]
     common += ["--max-new-tokens", "4"]
     assert run_cli(capsys, *common, "--prompts", str(prompts))[0] == 0
-    code, _, err = run_cli(capsys, *common, "--summaries-of", str(out))  # answers of <= 4 tokens: none to summarise
+    code, _, err = run_cli(capsys, *common, "--derive", "summary")  # answers of <= 4 tokens: none to summarise
     last = err.strip().splitlines()[-1]  # after the model's loading bar
     assert code == 2 and last.startswith("headstart: error: no answer")
-    assert last.endswith("80 tokens or more to summarise")
-    code, _, err = run_cli(capsys, *common, "--summaries-of", str(tmp_path / "nothing"))
+    assert last.endswith("usable for the summary task")
+    code, _, err = run_cli(capsys, *common[:-4], "--out", str(tmp_path / "nothing"), "--derive", "summary")
     assert code == 2 and "no distilled shards" in err

@@ -16,7 +16,7 @@ from tests.conftest import ACCELERATE_LAUNCH, WORDS
 from train import heads as train_heads
 from train.config import ConfigError, load_config
 from train.data import Row, collate, make_batches
-from train.distill import SUMMARY_PREFIX, distill, summary_prompts
+from train.distill import derived_prompts, distill
 from train.losses import eagle_unroll, head_metrics, medusa_labels, unroll_mask
 
 
@@ -186,6 +186,30 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
         assert torch.equal(expected[name], resumed[name]), name
 
 
+def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_model_dir):
+    from accelerate import Accelerator
+
+    from train.data import load_rows
+
+    train_heads.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle", **{"heads.draft_vocab": 8}))
+    trained = tmp_path / "a" / "out" / "heads"
+    cfg = make_cfg(tmp_path / "b", tiny_model_dir, "eagle", **{"heads.draft_vocab": 12, "heads.init_from": trained})
+    model, tokenizer = train_heads.load_target(cfg)
+    rows = load_rows(cfg.data.path, cfg.data.max_len)
+    warm = train_heads.Trainer(cfg, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
+    saved = load_file(trained / "model.safetensors")
+    assert set(warm) == set(saved) and warm["draft_vocab"].shape == (12,)  # recomputed for this run
+    for name in set(saved) - {"draft_vocab"}:
+        assert torch.equal(warm[name], saved[name].float()), name  # bf16 on disk: exact in float32
+    for bad, message in [(tmp_path, "is not a heads checkpoint"), (tmp_path / "medusa", "other heads")]:
+        if bad.name == "medusa":
+            train_heads.run(make_cfg(bad, tiny_model_dir, "medusa"))
+            bad = bad / "out" / "heads"
+        wrong = make_cfg(tmp_path / "b", tiny_model_dir, "eagle", **{"heads.init_from": bad})
+        with pytest.raises(ConfigError, match=message):
+            train_heads.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
+
+
 def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys):
     from runtime.models import load_model
 
@@ -220,30 +244,64 @@ def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys)
     assert sorted(written) == sorted(p.id for p in prompts)
 
 
+def _write_shards(path: Path, rows: list[dict], split: int) -> None:
+    (path / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:split]))
+    (path / "shard-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[split:]))
+
+
 def test_summary_prompts_over_earlier_answers(tmp_path):
     from tests.conftest import tiny_tokenizer
 
     tok = tiny_tokenizer()
-    cat, sat = WORDS.index("cat"), WORDS.index("sat")
+    long = [WORDS.index("cat"), WORDS.index("sat")] * 40  # 80 tokens: long enough to summarise
     rows = [
-        {"id": "a", "category": "qa", "response_ids": [cat, sat, cat, 1]},
-        {"id": "b", "category": "code", "response_ids": [cat, sat, cat, sat]},  # code: skipped
-        {"id": "c", "category": "chat", "response_ids": [cat]},  # too short
-        {"id": SUMMARY_PREFIX + "a", "category": "summarization", "response_ids": [sat, sat, sat]},  # a summary
-        {"id": "d", "category": "math", "response_ids": [sat, cat, sat]},
-        {"id": "e", "category": "chat", "response_ids": [sat, sat, cat]},
+        {"id": "a", "category": "qa", "response_ids": [*long, 1]},
+        {"id": "b", "category": "code", "response_ids": long},  # code: skipped
+        {"id": "c", "category": "chat", "response_ids": long[:79]},  # too short
+        {"id": "summary:a", "category": "summarization", "response_ids": long},  # a derived row: skipped
+        {"id": "d", "category": "math", "response_ids": long},
+        {"id": "e", "category": "chat", "response_ids": long},
     ]
-    (tmp_path / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
-    (tmp_path / "shard-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[3:]))
-    prompts = summary_prompts(tmp_path, tok, limit=2, min_tokens=3)
-    assert [p.id for p in prompts] == [SUMMARY_PREFIX + "a", SUMMARY_PREFIX + "d"]
+    _write_shards(tmp_path, rows, 3)
+    prompts = derived_prompts("summary", tmp_path, tok, limit=2)
+    assert [p.id for p in prompts] == ["summary:a", "summary:d"]
     assert {p.category for p in prompts} == {"summarization"}
-    assert prompts[0].text.startswith("Summarize") and prompts[0].text.endswith("\n\ncat sat cat")  # EOS dropped
-    assert len(summary_prompts(tmp_path, tok, limit=10, min_tokens=3)) == 3
-    with pytest.raises(ValueError, match=r"no answer .* 9 tokens"):
-        summary_prompts(tmp_path, tok, limit=10, min_tokens=9)
+    assert prompts[0].text == "Summarize the following text in two or three sentences.\n\n" + " ".join(["cat sat"] * 40)
+    assert len(derived_prompts("summary", tmp_path, tok, limit=10)) == 3
+    _write_shards(tmp_path, rows[1:4], 1)
+    with pytest.raises(ValueError, match=r"no answer .* usable for the summary task"):
+        derived_prompts("summary", tmp_path, tok, limit=10)
     with pytest.raises(ValueError, match="no distilled shards"):
-        summary_prompts(tmp_path / "none", tok, limit=10)
+        derived_prompts("summary", tmp_path / "none", tok, limit=10)
+
+
+class _Words:
+    """decode(): the row's ids index this vocabulary of whole words."""
+
+    vocab = ("<eos>", ".", "\n", "The", "cat", "sat", "on", "the", "mat", "and", "slept")
+    vocab += ("Die", "Katze", "sitzt", "auf", "der", "und", "ist")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(self.vocab[i] for i in ids if i > 0).replace(" .", ".").replace(" \n ", "\n")
+
+
+def test_translation_prompts_over_earlier_answers(tmp_path):
+    w = {word: i for i, word in enumerate(_Words.vocab)}
+    english = [w[x] for x in ["The", "cat", "sat", "on", "the", "mat", ".", "The", "cat", "slept"]]
+    german = [w[x] for x in ["Die", "Katze", "sitzt", "auf", "der", "mat", "und", "ist"]]
+    rows = [
+        {"id": "a", "category": "chat", "response_ids": [*english, w["\n"], *english, 0]},
+        {"id": "b", "category": "chat", "response_ids": english[:5]},  # fewer than 6 words: skipped
+        {"id": "to-german:a", "category": "translation", "response_ids": [*german, w["\n"], *english]},
+        {"id": "to-german:x", "category": "translation", "response_ids": english},  # not German: skipped
+    ]
+    _write_shards(tmp_path, rows, 2)
+    (to_german,) = derived_prompts("to-german", tmp_path, _Words(), limit=10)  # derived rows are never sources
+    assert to_german.id == "to-german:a" and to_german.category == "translation"
+    assert "German" in to_german.text and to_german.text.endswith("The cat sat on the mat. The cat slept")  # line 1
+    (from_german,) = derived_prompts("from-german", tmp_path, _Words(), limit=10)
+    assert from_german.id == "from-german:to-german:a" and "English" in from_german.text
+    assert from_german.text.endswith("Die Katze sitzt auf der mat und ist")  # its first line only
 
 
 PINNED = {  # five AdamW steps on one fixed batch; recompute only for a deliberate change of the loss

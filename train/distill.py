@@ -6,17 +6,21 @@ skips every id already written and cuts a half-written last line, so no row is d
 
     headstart distill --prompts ../shared/data/train/prompts.jsonl --out runs/distill/smollm2 --permissive-only
 
-`--summaries-of DIR` answers summarisation prompts built over the target's own earlier answers in
-DIR instead (`summary_prompts`): the permissive training prompts hold no summarisation task, and
-those answers are text that may be used under the same licences.
+`--derive TASK` answers prompts built over the target's own earlier answers in the same folder
+instead (`derived_prompts`, tasks in `DERIVED`): the permissive training prompts hold no
+summarisation or translation task, and those answers are text that may be used under the same
+licences. `summary` asks for a summary of an answer; `to-german` for the German of an answer's
+opening sentences; `from-german` for the English of what the target wrote in German.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,16 +43,77 @@ def _repair_and_read_done(out: Path) -> set[str]:
     return done
 
 
-SUMMARY_PREFIX = "summary:"  # id prefix of rows made by summary_prompts
-SUMMARY_TEMPLATE = "Summarize the following text in two or three sentences.\n\n{text}"
+def _summary_text(text: str, n_tokens: int) -> str | None:
+    return text if n_tokens >= 80 else None
 
 
-def summary_prompts(distilled: str | Path, tokenizer, limit: int, min_tokens: int = 80) -> list[Prompt]:
-    """Summarisation prompts over the first `limit` answers in `distilled` of at least `min_tokens` tokens.
+def _opening_text(text: str, n_tokens: int, max_words: int = 30) -> str | None:
+    """The answer's first line, cut after the last sentence end within `max_words` words."""
+    words = text.split("\n", 1)[0].split()
+    if len(words) < 6:
+        return None
+    head = " ".join(words[:max_words])
+    end = max(head.rfind(". "), head.rfind("? "), head.rfind("! "))
+    return head[: end + 1] if end > 0 and len(words) > max_words else head
 
-    Code answers and answers that are themselves summaries are skipped; the rows are read in shard
-    order, so a rerun over a folder that has grown since picks the same first rows.
+
+GERMAN_WORDS = frozenset(
+    ["der", "die", "das", "und", "ist", "ein", "eine", "nicht", "mit", "für", "zu", "den", "von", "ich", "wir", "sie",
+     "es", "auf", "im", "dem"]
+)  # fmt: skip
+
+
+def _german_text(text: str, n_tokens: int, max_words: int = 40) -> str | None:
+    """The first line of what the target wrote in German, if it looks German; its loops cut short."""
+    words = text.split("\n", 1)[0].strip().strip('"').split()[:max_words]
+    if len(words) < 4 or sum(w.lower() in GERMAN_WORDS for w in words) < 2:
+        return None
+    return " ".join(words)
+
+
+@dataclass(frozen=True)
+class DerivedTask:
+    category: str
+    templates: tuple[str, ...]  # one per row, chosen by a hash of its id
+    source: str  # id prefix of the rows it reads; "" for the original (not derived, not code) answers
+    text: Callable[[str, int], str | None]  # (answer text, its tokens) -> the text the prompt embeds, or None
+
+
+DERIVED = {
+    "summary": DerivedTask(
+        "summarization", ("Summarize the following text in two or three sentences.\n\n{text}",), "", _summary_text
+    ),
+    "to-german": DerivedTask(
+        "translation",
+        (
+            "Translate into German: {text}",
+            "Translate the following text to German:\n\n{text}",
+            "How would you say this in German? {text}",
+        ),
+        "",
+        _opening_text,
+    ),
+    "from-german": DerivedTask(
+        "translation",
+        (
+            "Translate German to English: {text}",
+            "Translate the following German text into English:\n\n{text}",
+            "What does this mean in English? {text}",
+            "Translate to English: {text}",
+        ),
+        "to-german:",
+        _german_text,
+    ),
+}
+
+
+def derived_prompts(task: str, distilled: str | Path, tokenizer, limit: int) -> list[Prompt]:
+    """Prompts of `task` (a key of DERIVED) over the first `limit` usable answers in `distilled`.
+
+    Ids are `task:<source id>`. The rows are read in shard order, so a rerun over a folder that has
+    grown since picks the same first rows.
     """
+    spec = DERIVED[task]
     distilled = Path(distilled)
     shards = sorted(distilled.glob("shard-*.jsonl"))
     if not shards:
@@ -60,15 +125,22 @@ def summary_prompts(distilled: str | Path, tokenizer, limit: int, min_tokens: in
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a last line cut by a kill
-            summary, code = row["id"].startswith(SUMMARY_PREFIX), row["category"] == "code"
-            if summary or code or len(row["response_ids"]) < min_tokens:
+            derived = any(row["id"].startswith(name + ":") for name in DERIVED)
+            if spec.source:
+                if not row["id"].startswith(spec.source):
+                    continue
+            elif derived or row["category"] == "code":
                 continue
             text = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
-            prompts.append(Prompt(SUMMARY_PREFIX + row["id"], "summarization", SUMMARY_TEMPLATE.format(text=text)))
+            text = spec.text(text, len(row["response_ids"]))
+            if text is None:
+                continue
+            template = spec.templates[int(hashlib.sha256(row["id"].encode()).hexdigest(), 16) % len(spec.templates)]
+            prompts.append(Prompt(f"{task}:{row['id']}", spec.category, template.format(text=text)))
             if len(prompts) == limit:
                 return prompts
     if not prompts:
-        raise ValueError(f"no answer in {distilled} has {min_tokens} tokens or more to summarise")
+        raise ValueError(f"no answer in {distilled} is usable for the {task} task")
     return prompts
 
 

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 if __package__ in (None, ""):  # run as a script by `accelerate launch train/heads.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from heads.checkpoint import build_heads, save_heads, target_fingerprint
+from heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
 from heads.vocab import frequent_tokens
 from runtime.tree import choose_tree_shape
 from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
@@ -93,6 +94,8 @@ class Trainer:
         if cfg.heads.draft_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
             heads.draft_vocab.copy_(frequent_tokens(responses, cfg.heads.draft_vocab, model.config.vocab_size))
+        if cfg.heads.init_from:
+            init_from_trained(heads, cfg.heads.init_from, model, tokenizer)
         optimizer = torch.optim.AdamW(
             heads.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
         )
@@ -181,7 +184,8 @@ class Trainer:
             valid = torch.stack([medusa_labels(ids, mask, k)[1][:, :n] for k in range(1, K + 1)]).all(0)
             for k, logits in enumerate(self.head_logits_for_eval(heads, hidden, ids), 1):
                 labels = medusa_labels(ids, mask, k)[0][:, :n]
-                guesses = self.readout.to_target(logits[:, :n].topk(RANKS, dim=-1).indices)  # (B, n, RANKS) ids
+                top = logits[:, :n].topk(min(RANKS, logits.shape[-1]), dim=-1).indices  # a draft vocabulary < RANKS
+                guesses = self.readout.to_target(top)  # (B, n, RANKS) ids
                 hits = guesses == labels[..., None]
                 top1[k - 1].append(hits[..., 0][valid])
                 top5[k - 1].append(hits[..., :EVAL_TOPK].any(-1)[valid])
@@ -316,6 +320,22 @@ def drop_metrics_after(path: Path, step: int) -> None:
 
     if path.is_file():
         path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
+
+
+def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> None:
+    """Copy the weights of the trained heads in `directory` into `heads`, all but the draft vocabulary.
+
+    The head predicts features, so its weights do not depend on which tokens the readout scores: a
+    run on new data recomputes the vocabulary from that data and starts from these weights.
+    """
+    try:
+        trained, _ = load_heads(directory, model, tokenizer)
+        state = {k: v for k, v in trained.state_dict().items() if k != "draft_vocab"}
+        missing, unexpected = heads.load_state_dict(state, strict=False)
+    except (ValueError, RuntimeError) as e:  # not a checkpoint, another target, other shapes
+        raise ConfigError(f"heads.init_from: cannot start from {directory}: {e}") from e
+    if unexpected or set(missing) - {"draft_vocab"}:
+        raise ConfigError(f"heads.init_from: {directory} holds other heads (missing {missing}, extra {unexpected})")
 
 
 def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
