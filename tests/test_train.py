@@ -201,6 +201,10 @@ def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_mod
     assert set(warm) == set(saved) and warm["draft_vocab"].shape == (12,)  # recomputed for this run
     for name in set(saved) - {"draft_vocab"}:
         assert torch.equal(warm[name], saved[name].float()), name  # bf16 on disk: exact in float32
+    train_heads.run(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and "acceptance_length" in lines[0]  # the trained heads on this run's held-out rows
+    assert [x["step"] for x in lines] == list(range(7))
     for bad, message in [(tmp_path, "is not a heads checkpoint"), (tmp_path / "medusa", "other heads")]:
         if bad.name == "medusa":
             train_heads.run(make_cfg(bad, tiny_model_dir, "medusa"))

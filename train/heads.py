@@ -242,6 +242,12 @@ class Trainer:
             drop_metrics_after(self.metrics_file, step)
         return step
 
+    def log_metrics(self, step: int, record: dict[str, float]) -> None:
+        self.acc.log(record, step=step)
+        if self.acc.is_main_process:
+            with self.metrics_file.open("a") as f:
+                f.write(json.dumps({"step": step, **record}) + "\n")
+
     # ---- the loop --------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
@@ -256,6 +262,8 @@ class Trainer:
         bar = tqdm(total=cfg.optim.max_steps, initial=start, desc=f"train {cfg.heads.kind}",
                    disable=not acc.is_local_main_process, dynamic_ncols=True)  # fmt: skip
         metrics: dict[str, float] = {}
+        if start == 0 and cfg.heads.init_from and self.eval_rows:  # where the trained heads start, on this data
+            self.log_metrics(0, self.evaluate())
         for step in range(start, cfg.optim.max_steps):
             self.heads.train()
             total = 0.0
@@ -284,10 +292,7 @@ class Trainer:
                 metrics = self.evaluate()
                 record.update(metrics)
             if record:
-                acc.log(record, step=done)
-                if acc.is_main_process:
-                    with self.metrics_file.open("a") as f:
-                        f.write(json.dumps({"step": done, **record}) + "\n")
+                self.log_metrics(done, record)
             if done % cfg.save_every == 0 or done == cfg.optim.max_steps:
                 self.save_checkpoint(done)
         bar.close()
