@@ -330,8 +330,9 @@ def drop_metrics_after(path: Path, step: int) -> None:
 def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> None:
     """Copy the weights of the trained heads in `directory` into `heads`, all but the draft vocabulary.
 
-    The head predicts features, so its weights do not depend on which tokens the readout scores: a
-    run on new data recomputes the vocabulary from that data and starts from these weights.
+    Both kinds predict hidden states that the target's lm_head reads out, so their weights do not
+    depend on which tokens the readout scores: a run on new data recomputes the vocabulary from that
+    data and starts from these weights.
     """
     try:
         trained, _ = load_heads(directory, model, tokenizer)
