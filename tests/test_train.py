@@ -205,6 +205,8 @@ def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_mod
     lines = [json.loads(x) for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "acceptance_length" in lines[0]  # the trained heads on this run's held-out rows
     assert [x["step"] for x in lines] == list(range(7))
+    _, config = load_heads(tmp_path / "b" / "out" / "heads", model, tokenizer)
+    assert config["init_from"] == {"path": str(trained), "steps": 6, "data_rows": config["data_rows"]}
     for bad, message in [(tmp_path, "is not a heads checkpoint"), (tmp_path / "medusa", "other heads")]:
         if bad.name == "medusa":
             train_heads.run(make_cfg(bad, tiny_model_dir, "medusa"))

@@ -94,8 +94,9 @@ class Trainer:
         if cfg.heads.draft_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
             heads.draft_vocab.copy_(frequent_tokens(responses, cfg.heads.draft_vocab, model.config.vocab_size))
+        self.started_from = None  # the trained heads this run starts from (config.json's "init_from")
         if cfg.heads.init_from:
-            init_from_trained(heads, cfg.heads.init_from, model, tokenizer)
+            self.started_from = init_from_trained(heads, cfg.heads.init_from, model, tokenizer)
         optimizer = torch.optim.AdamW(
             heads.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
         )
@@ -306,6 +307,8 @@ class Trainer:
                 "metrics": metrics,
                 "rank_accuracy": self.rank_accuracy,
             }
+            if self.started_from is not None:
+                extra["init_from"] = self.started_from
             if cfg.heads.kind == "medusa" and self.rank_accuracy:
                 extra["tree"] = choose_tree_shape(self.rank_accuracy, TREE_BUDGET)
             fp = target_fingerprint(self.model, self.tokenizer, name=cfg.target.model)
@@ -327,7 +330,7 @@ def drop_metrics_after(path: Path, step: int) -> None:
         path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
 
 
-def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> None:
+def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> dict:
     """Copy the weights of the trained heads in `directory` into `heads`, all but the draft vocabulary.
 
     Both kinds predict hidden states that the target's lm_head reads out, so their weights do not
@@ -335,13 +338,15 @@ def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> Non
     data and starts from these weights.
     """
     try:
-        trained, _ = load_heads(directory, model, tokenizer)
+        trained, config = load_heads(directory, model, tokenizer)
         state = {k: v for k, v in trained.state_dict().items() if k != "draft_vocab"}
         missing, unexpected = heads.load_state_dict(state, strict=False)
     except (ValueError, RuntimeError) as e:  # not a checkpoint, another target, other shapes
         raise ConfigError(f"heads.init_from: cannot start from {directory}: {e}") from e
     if unexpected or set(missing) - {"draft_vocab"}:
         raise ConfigError(f"heads.init_from: {directory} holds other heads (missing {missing}, extra {unexpected})")
+    history = {k: config[k] for k in ("steps", "data_rows", "init_from") if k in config}
+    return {"path": str(directory), **history}  # recorded in the new heads' config.json
 
 
 def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
