@@ -207,10 +207,9 @@ def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_mod
     assert [x["step"] for x in lines] == list(range(7))
     _, config = load_heads(tmp_path / "b" / "out" / "heads", model, tokenizer)
     assert config["init_from"] == {"path": str(trained), "steps": 6, "data_rows": config["data_rows"]}
-    for bad, message in [(tmp_path, "is not a heads checkpoint"), (tmp_path / "medusa", "other heads")]:
-        if bad.name == "medusa":
-            train_heads.run(make_cfg(bad, tiny_model_dir, "medusa"))
-            bad = bad / "out" / "heads"
+    train_heads.run(make_cfg(tmp_path / "medusa", tiny_model_dir, "medusa"))
+    medusa = tmp_path / "medusa" / "out" / "heads"
+    for bad, message in [(tmp_path, "is not a heads checkpoint"), (medusa, "other heads")]:
         wrong = make_cfg(tmp_path / "b", tiny_model_dir, "eagle", **{"heads.init_from": bad})
         with pytest.raises(ConfigError, match=message):
             train_heads.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
@@ -250,7 +249,7 @@ def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys)
     assert sorted(written) == sorted(p.id for p in prompts)
 
 
-def _write_shards(path: Path, rows: list[dict], split: int) -> None:
+def _rows_in_two_shards(path: Path, rows: list[dict], split: int) -> None:
     (path / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:split]))
     (path / "shard-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[split:]))
 
@@ -268,13 +267,13 @@ def test_summary_prompts_over_earlier_answers(tmp_path):
         {"id": "d", "category": "math", "response_ids": long},
         {"id": "e", "category": "chat", "response_ids": long},
     ]
-    _write_shards(tmp_path, rows, 3)
+    _rows_in_two_shards(tmp_path, rows, 3)
     prompts = derived_prompts("summary", tmp_path, tok, limit=2)
     assert [p.id for p in prompts] == ["summary:a", "summary:d"]
     assert {p.category for p in prompts} == {"summarization"}
     assert prompts[0].text == "Summarize the following text in two or three sentences.\n\n" + " ".join(["cat sat"] * 40)
     assert len(derived_prompts("summary", tmp_path, tok, limit=10)) == 3
-    _write_shards(tmp_path, rows[1:4], 1)
+    _rows_in_two_shards(tmp_path, rows[1:4], 1)
     with pytest.raises(ValueError, match=r"no answer .* usable for the summary task"):
         derived_prompts("summary", tmp_path, tok, limit=10)
     with pytest.raises(ValueError, match="no distilled shards"):
@@ -301,7 +300,7 @@ def test_translation_prompts_over_earlier_answers(tmp_path):
         {"id": "to-german:a", "category": "translation", "response_ids": [*german, w["\n"], *english]},
         {"id": "to-german:x", "category": "translation", "response_ids": english},  # not German: skipped
     ]
-    _write_shards(tmp_path, rows, 2)
+    _rows_in_two_shards(tmp_path, rows, 2)
     (to_german,) = derived_prompts("to-german", tmp_path, _Words(), limit=10)  # derived rows are never sources
     assert to_german.id == "to-german:a" and to_german.category == "translation"
     assert "German" in to_german.text and to_german.text.endswith("The cat sat on the mat. The cat slept")  # line 1

@@ -75,13 +75,13 @@ def _german_text(text: str, n_tokens: int, max_words: int = 40) -> str | None:
 class DerivedTask:
     category: str
     templates: tuple[str, ...]  # one per row, chosen by a hash of its id
-    source: str  # id prefix of the rows it reads; "" for the original (not derived, not code) answers
+    source: str | None  # the task whose rows it reads; None: the original answers (not derived, not code)
     text: Callable[[str, int], str | None]  # (answer text, its tokens) -> the text the prompt embeds, or None
 
 
 DERIVED = {
     "summary": DerivedTask(
-        "summarization", ("Summarize the following text in two or three sentences.\n\n{text}",), "", _summary_text
+        "summarization", ("Summarize the following text in two or three sentences.\n\n{text}",), None, _summary_text
     ),
     "to-german": DerivedTask(
         "translation",
@@ -90,7 +90,7 @@ DERIVED = {
             "Translate the following text to German:\n\n{text}",
             "How would you say this in German? {text}",
         ),
-        "",
+        None,
         _opening_text,
     ),
     "from-german": DerivedTask(
@@ -101,7 +101,7 @@ DERIVED = {
             "What does this mean in English? {text}",
             "Translate to English: {text}",
         ),
-        "to-german:",
+        "to-german",
         _german_text,
     ),
 }
@@ -125,11 +125,8 @@ def derived_prompts(task: str, distilled: str | Path, tokenizer, limit: int) -> 
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a last line cut by a kill
-            derived = any(row["id"].startswith(name + ":") for name in DERIVED)
-            if spec.source:
-                if not row["id"].startswith(spec.source):
-                    continue
-            elif derived or row["category"] == "code":
+            made_by = next((name for name in DERIVED if row["id"].startswith(name + ":")), None)
+            if made_by != spec.source or (made_by is None and row["category"] == "code"):
                 continue
             text = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
             text = spec.text(text, len(row["response_ids"]))
