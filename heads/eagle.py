@@ -45,9 +45,9 @@ class EagleHead(nn.Module):
         decoder = model.get_decoder()
         return cls(model.config, type(decoder.layers[0]), type(decoder.rotary_emb), draft_vocab)
 
-    def readout(self, target_lm_head: nn.Module) -> DraftReadout:
-        """The target's lm_head over this checkpoint's draft vocabulary."""
-        return DraftReadout(target_lm_head, self.draft_vocab)
+    def readout(self, target_lm_head: nn.Module, limit: int | None = None) -> DraftReadout:
+        """The target's lm_head over this checkpoint's draft vocabulary (its `limit` most frequent tokens)."""
+        return DraftReadout(target_lm_head, self.draft_vocab, limit)
 
     def forward(
         self,

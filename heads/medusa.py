@@ -46,9 +46,9 @@ class MedusaHeads(nn.Module):
         # (N,) target ids of the draft vocabulary, set by training; None = the full vocabulary.
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
 
-    def readout(self, target_lm_head: nn.Module) -> DraftReadout:
-        """The target's lm_head over this checkpoint's draft vocabulary."""
-        return DraftReadout(target_lm_head, self.draft_vocab)
+    def readout(self, target_lm_head: nn.Module, limit: int | None = None) -> DraftReadout:
+        """The target's lm_head over this checkpoint's draft vocabulary (its `limit` most frequent tokens)."""
+        return DraftReadout(target_lm_head, self.draft_vocab, limit)
 
     def init_lm_heads(self, target_lm_head: nn.Module) -> None:
         """Copy the target's lm_head into each own lm_head (no-op when the target's is shared)."""

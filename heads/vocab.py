@@ -35,13 +35,17 @@ def frequent_tokens(sequences: Iterable[list[int]], size: int, vocab_size: int) 
 class DraftReadout:
     """The target's lm_head restricted to `ids` (all of it when `ids` is None).
 
-    `readout(x)` gives logits (..., N) over the kept tokens; `to_target` maps draft indices back to
-    target ids; `to_draft` maps target ids to draft indices (-1 where the token was not kept).
+    `ids` are ordered most frequent first, so `limit` keeps the first `limit` of them: a cheaper
+    readout at a small loss of coverage (a full vocabulary, `ids` None, is kept whole). `readout(x)`
+    gives logits (..., N) over the kept tokens; `to_target` maps draft indices back to target ids;
+    `to_draft` maps target ids to draft indices (-1 where the token was not kept).
     """
 
-    def __init__(self, lm_head: nn.Module, ids: torch.Tensor | None) -> None:
+    def __init__(self, lm_head: nn.Module, ids: torch.Tensor | None, limit: int | None = None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"the draft vocabulary limit must be at least 1, got {limit}")
         weight = lm_head.weight.detach()  # (V, H), frozen
-        self.ids = None if ids is None else ids.to(weight.device)
+        self.ids = None if ids is None else ids[:limit].to(weight.device)
         self.weight = weight if self.ids is None else weight[self.ids]  # (N, H)
         self._lookup = None  # target id -> draft index (-1: not kept), built once on first use
 

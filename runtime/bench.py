@@ -124,7 +124,8 @@ def run_bench(
     """Every method on every prompt and temperature.
 
     `heads` maps medusa/eagle to checkpoint directories; missing ones are the heads shipped for `model_name`.
-    `draft_options` (draft_layers, draft_model; tree_depth, tree_top_k) go to every drafter that takes them.
+    `draft_options` (draft_layers, draft_model; tree_depth, tree_top_k; draft_vocab) go to every drafter that
+    takes them.
     """
     heads = heads or {}
     model, tokenizer = engine.target.model, engine.tokenizer

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from runtime.bench import METHODS
+from runtime.drafters import DRAFT_VOCAB
 from runtime.models import DEFAULT_MODEL, DTYPES
 from runtime.prompts import Prompt, load_prompts
 from runtime.sampling import SamplingParams
@@ -38,15 +39,33 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="eagle, model, layerskip: nodes expanded and children per node (model, layerskip: 1 = a chain, "
                    "the default)")  # fmt: skip
+    _add_draft_vocab_arg(p)
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-vocab", type=_at_least_one, default=None, metavar="N",
+                   help="medusa, eagle: read out only the N most frequent tokens of the heads' draft vocabulary "
+                   f"(default {DRAFT_VOCAB})")  # fmt: skip
 
 
 def _load_engine(args: argparse.Namespace):
     from runtime.engine import Engine
 
     options = {"tree_budget": args.tree_budget, "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k,
-               "draft_model": args.draft_model, "draft_layers": args.draft_layers}  # fmt: skip
+               "draft_model": args.draft_model, "draft_layers": args.draft_layers,
+               "draft_vocab": args.draft_vocab}  # fmt: skip
     return Engine.load(args.model, args.dtype, args.drafter, args.device, args.heads, **options)
 
 
@@ -82,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
     b.add_argument("--draft-layers", default=None, help="layerskip: N first layers or a list 0,1,2,5")
     b.add_argument("--draft-model", default=None, help="model: the draft model")
+    _add_draft_vocab_arg(b)
     b.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
     b.add_argument("--tree-top-k", type=int, default=None, help="eagle, model, layerskip: nodes expanded per depth")
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
@@ -313,7 +333,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     records = bench.run_bench(
         engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed,
         heads, args.model, draft_layers=args.draft_layers, draft_model=args.draft_model,
-        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
+        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, draft_vocab=args.draft_vocab,
     )  # fmt: skip
     table = bench.summarize(records)
     machine = (

@@ -47,8 +47,8 @@ class Engine:
         heads: str | None = None,
         **options: int | str | None,
     ) -> Engine:
-        """`options` for the drafter (None = its default): tree_budget, tree_depth, tree_top_k, draft_model,
-        draft_layers (see `make_drafter`).
+        """`options` for the drafter (None = its default): tree_budget, tree_depth, tree_top_k, draft_vocab,
+        draft_model, draft_layers (see `make_drafter`).
 
         medusa and eagle load `heads`, or else the heads shipped for `model` (heads/trained/).
         """

@@ -32,6 +32,8 @@ def run_cli(capsys, *argv):
         (["--prompts-file", "/no/such.jsonl"], "prompts file not found"),
         (["--prompt", "hi", "--dtype", "int3"], "invalid choice: 'int3'"),
         (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int value: 'ten'"),
+        (["--prompt", "hi", "--draft-vocab", "0"], "--draft-vocab: must be >= 1, got 0"),
+        (["--prompt", "hi", "--draft-vocab", "12k"], "--draft-vocab: invalid int value: '12k'"),
         ([], "one of the arguments --prompt --prompts-file is required"),
     ],
 )

@@ -62,7 +62,8 @@ def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):
 
 
 def test_greedy_identity_with_a_reduced_draft_vocabulary(tmp_path, tiny_model_dir):
-    assert_identity_with_trained_heads(tmp_path, tiny_model_dir, "medusa", [{}], **{"heads.draft_vocab": 24})
+    trees = [{}, {"draft_vocab": 12}]  # all 24 draft tokens, then only the 12 most frequent
+    assert_identity_with_trained_heads(tmp_path, tiny_model_dir, "medusa", trees, **{"heads.draft_vocab": 24})
 
 
 def test_sampling_first_three_tokens_match_plain_sampling():

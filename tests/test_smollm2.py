@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from runtime.drafters import make_drafter
+from runtime.drafters import DRAFT_VOCAB, make_drafter
 from runtime.engine import Engine
 from runtime.prompts import load_prompts
 
@@ -62,7 +63,10 @@ def test_greedy_identity_on_spec_bench(engine, prompts):
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_greedy_identity_with_shipped_heads(engine, kind):
     """The heads shipped in heads/trained, 10 Spec-Bench prompts x 64 tokens, fp32."""
-    drafter = make_drafter(kind, engine.target.model, engine.tokenizer, str(SHIPPED / f"smollm2-135m-instruct-{kind}"))
+    heads = SHIPPED / f"smollm2-135m-instruct-{kind}"
+    drafter = make_drafter(kind, engine.target.model, engine.tokenizer, str(heads))
+    trained = json.loads((heads / "config.json").read_text())["options"]["draft_vocab"]
+    assert drafter.readout.size == min(trained, DRAFT_VOCAB)  # by default a prefix of the draft vocabulary
     assert assert_identity(engine, drafter, spec_bench(2)) > 0
 
 

@@ -32,6 +32,21 @@ def test_readout_scores_the_kept_rows_and_maps_back():
     assert full.size == 10 and readout.size == 3
 
 
+def test_readout_limit_keeps_the_most_frequent_prefix():
+    lm_head = torch.nn.Linear(4, 10, bias=False)
+    ids = torch.tensor([7, 5, 9])  # most frequent first
+    x = torch.randn(2, 4)
+    two = DraftReadout(lm_head, ids, limit=2)
+    assert two.size == 2
+    torch.testing.assert_close(two(x), lm_head(x)[:, [7, 5]])
+    assert two.to_target(torch.tensor([1, 0])).tolist() == [5, 7]
+    assert two.to_draft(torch.tensor([7, 5, 9])).tolist() == [0, 1, -1]  # 9 is past the limit
+    assert DraftReadout(lm_head, ids, limit=8).size == 3  # a limit past the vocabulary keeps all of it
+    assert DraftReadout(lm_head, None, limit=2).size == 10  # a full vocabulary is not frequency-ordered: kept whole
+    with pytest.raises(ValueError, match="at least 1"):
+        DraftReadout(lm_head, ids, limit=0)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_draft_vocabulary_survives_a_bfloat16_checkpoint(kind, tmp_path):
     model = tiny_llama(vocab_size=64)

@@ -43,14 +43,15 @@ class EagleDrafter(SamplingDrafter):
         top_k: int = 4,
         budget: int = 12,  # tuned on held-out prompts, 2-core CPU (README: Drafters)
         rank_accuracy: list[list[float]] | None = None,
+        draft_vocab: int | None = None,
     ) -> None:
         """`rank_accuracy` (the head's measured per-depth, per-rank accuracies) gives the static tree of
         `budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used at every
-        temperature."""
+        temperature. `draft_vocab` reads out only that many of the head's most frequent draft tokens."""
         if min(depth, top_k, budget) < 1:
             raise ValueError(f"depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
         super().__init__(lm_head.weight.device)
-        self.head, self.embed, self.readout = head, embed, head.readout(lm_head)
+        self.head, self.embed, self.readout = head, embed, head.readout(lm_head, draft_vocab)
         self.vocab_size = lm_head.weight.shape[0]
         self.depth, self.top_k, self.budget = depth, top_k, budget
         self.shape = choose_tree_shape(rank_accuracy, budget) if rank_accuracy else None

@@ -25,7 +25,11 @@ from runtime.tree import DraftTree, ShapeSampler, choose_tree_shape
 class MedusaDrafter(SamplingDrafter):
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, shape: list[tuple[int, ...]]) -> None:
+    def __init__(
+        self, heads: MedusaHeads, lm_head: nn.Module, shape: list[tuple[int, ...]], draft_vocab: int | None = None
+    ) -> None:
+        """`shape`: the tree's paths of ranks, parents first; `draft_vocab` reads out only that many of the
+        heads' most frequent draft tokens."""
         if not shape:
             raise ValueError("empty Medusa tree shape")
         depth = max(map(len, shape))
@@ -36,7 +40,7 @@ class MedusaDrafter(SamplingDrafter):
         if bad:
             raise ValueError(f"tree shape must list every parent before its children (bad: {bad[:3]})")
         super().__init__(lm_head.weight.device)
-        self.heads, self.readout, self.shape = heads, heads.readout(lm_head), shape
+        self.heads, self.readout, self.shape = heads, heads.readout(lm_head, draft_vocab), shape
         self.depth = depth
         self.ranks = max(p[-1] for p in shape) + 1
         self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in shape]
