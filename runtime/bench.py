@@ -9,6 +9,7 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   eagle      our loop with a trained EAGLE head (--eagle-heads DIR, default: the shipped one)
   layerskip  our loop, the target's first --draft-layers layers drafting
   model      our loop, a small draft model (--draft-model) drafting
+  X+lookup   X's tree with prompt-lookup branches grafted on at T = 0 (eagle+lookup, medusa+lookup, ...)
 A suffix makes a variant with the drafter's one knob set (one run can compare several):
 `layerskip:N` (layers), `model:PATH` (draft model), `medusa:B` and `eagle:B` (tree budget).
 Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runtime.drafters import Drafter, make_drafter
+from runtime.drafters import GRAFTED, Drafter, make_drafter
 from runtime.engine import Engine
 from runtime.generate import GenerationStats
 from runtime.prompts import load_prompts
@@ -88,13 +89,15 @@ def method_drafter(method: str, draft_options: dict) -> tuple[str, dict]:
     """(drafter name, its options) of a method. A suffix sets the drafter's one knob for that method:
     `layerskip:N` layers, `model:PATH` draft model, `medusa:B` / `eagle:B` tree budget."""
     name, _, arg = method.partition(":")
-    if name not in METHODS or (arg and name not in VARIANTS):
+    base = name.removesuffix("+lookup")  # eagle+lookup: the eagle drafter, lookup branches grafted on
+    if (name not in METHODS and name not in GRAFTED) or (arg and base not in VARIANTS):
         raise ValueError(
-            f"unknown method {method}: choose from {', '.join(METHODS)}, layerskip:N, model:PATH, medusa:B, eagle:B"
+            f"unknown method {method}: choose from {', '.join(METHODS + GRAFTED)}, layerskip:N, model:PATH, "
+            "medusa:B, eagle:B"
         )
     options = dict(draft_options)
     if arg:
-        key = VARIANTS[name]
+        key = VARIANTS[base]
         if key == "tree_budget" and not arg.isdigit():
             raise ValueError(f"{method}: the tree budget after '{name}:' must be a whole number")
         options[key] = int(arg) if key == "tree_budget" else arg
@@ -133,7 +136,8 @@ def run_bench(
     drafters = {}
     for m, (name, options) in specs.items():
         if name not in ("hf", "hf-lookup"):
-            drafters[m] = make_drafter(name, model, tokenizer, heads.get(name), model_name=model_name, **options)
+            kind = name.removesuffix("+lookup")
+            drafters[m] = make_drafter(name, model, tokenizer, heads.get(kind), model_name=model_name, **options)
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection

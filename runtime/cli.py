@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from runtime.bench import METHODS
-from runtime.drafters import DRAFT_VOCAB
+from runtime.drafters import DRAFT_VOCAB, DRAFTERS, GRAFTED
 from runtime.models import DEFAULT_MODEL, DTYPES
 from runtime.prompts import Prompt, load_prompts
 from runtime.sampling import SamplingParams
@@ -31,7 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="none", choices=["none", "lookup", "medusa", "eagle", "model", "layerskip"])
+    p.add_argument("--drafter", default="none", choices=DRAFTERS + GRAFTED,
+                   help="eagle+lookup etc.: lookup branches grafted onto the drafter's tree (T = 0)")  # fmt: skip
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     p.add_argument("--tree-budget", type=int, default=None,
                    help="nodes per tree (default: medusa the saved shape, eagle 12, others 16)")  # fmt: skip
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default="plain,hf,lookup",
         help="comma list of " + ",".join(METHODS) + " (variants: layerskip:N, model:PATH, medusa:B, eagle:B; "
-        "B = tree budget)",
+        "B = tree budget; eagle+lookup etc.: lookup branches grafted on)",
     )
     b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")

@@ -96,8 +96,11 @@ def random_heads(kind: str, model, std: float, seed: int = 0, **options):
     return heads.eval().requires_grad_(False)
 
 
-def assert_identity_with_trained_heads(tmp_path, model_dir, kind: str, trees: list[dict], **overrides) -> None:
-    """Heads trained for a few steps on the tiny model in `model_dir`: greedy identity for each tree setting."""
+def assert_identity_with_trained_heads(
+    tmp_path, model_dir, kind: str, trees: list[dict], drafter: str | None = None, **overrides
+) -> None:
+    """Heads trained for a few steps on the tiny model in `model_dir`: greedy identity for each tree setting
+    of the `drafter` that uses them (default: `kind`)."""
     from runtime.drafters import make_drafter
     from runtime.models import load_model
 
@@ -106,5 +109,5 @@ def assert_identity_with_trained_heads(tmp_path, model_dir, kind: str, trees: li
     model.generation_config.eos_token_id = None
     prompts = [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
     for tree in trees:
-        drafter = make_drafter(kind, model, tokenizer, str(heads_dir), **tree)
-        assert assert_greedy_identity(model, drafter, prompts) > 0, f"no draft accepted with {tree}"
+        decoder = make_drafter(drafter or kind, model, tokenizer, str(heads_dir), **tree)
+        assert assert_greedy_identity(model, decoder, prompts) > 0, f"no draft accepted with {tree}"

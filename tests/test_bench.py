@@ -43,7 +43,7 @@ def test_bench_records_and_tables(tiny_model_dir, tmp_path):
 def test_bench_cli_rejects_unknown_method(tiny_model_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["the cat"]}) + "\n")
-    for bad in ("warp", "lookup:3", "plain:x", "eagle:x"):
+    for bad in ("warp", "lookup:3", "plain:x", "eagle:x", "lookup+lookup", "none+lookup"):
         code = main(["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods", f"plain,{bad}"])
         assert code == 2 and bad in capsys.readouterr().err
 
@@ -59,6 +59,7 @@ def test_bench_method_variants_layerskip_n(tiny_model_dir, tmp_path):
     assert bench.method_drafter("layerskip:2", {"draft_layers": "1"}) == ("layerskip", {"draft_layers": "2"})
     assert bench.method_drafter("model:runs/d", {}) == ("model", {"draft_model": "runs/d"})
     assert bench.method_drafter("eagle:8", {}) == ("eagle", {"tree_budget": 8})
+    assert bench.method_drafter("eagle+lookup:8", {}) == ("eagle+lookup", {"tree_budget": 8})
 
 
 def test_bench_cli_tree_options_reach_the_drafters(tiny_model_dir, tmp_path, monkeypatch):

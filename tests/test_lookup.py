@@ -1,6 +1,13 @@
 """Prompt lookup: the branches it finds and the tree it builds, on hand-made contexts."""
 
+import pytest
+import torch
+
+from runtime.drafters import Drafter
+from runtime.drafters.graft import LookupGraft
 from runtime.drafters.lookup import LookupDrafter, build_trie
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
 
 
 def test_longest_ngram_wins_and_recent_first():
@@ -38,3 +45,45 @@ def test_propose_uses_trie():
     tree = LookupDrafter(max_ngram=2, min_ngram=2, branch_len=2).propose(context)
     # (1, 2) occurred at 4 -> [3, 5] and at 0 -> [3, 4]: shared first token
     assert tree.tokens == [3, 5, 4] and tree.parents == [-1, 0, 0]
+
+
+def test_graft_adds_only_what_the_tree_lacks():
+    #   heads' tree:  root -> 8 -> 5          lookup branches [8, 5, 2], [9, 1, 4]
+    #                     \-> 6
+    #   grafted:      root -> 8 -> 5 -> 2      (8, 5 reused; 2 added under 5)
+    #                     \-> 6
+    #                     \-> 9 -> 1          (budget 3: the third new node, 4, is left out)
+    heads_tree = DraftTree([8, 6, 5], [-1, -1, 0])
+    tree = build_trie([[8, 5, 2], [9, 1, 4]], budget=3, onto=heads_tree)
+    assert tree.tokens == [8, 6, 5, 2, 9, 1]
+    assert tree.parents == [-1, -1, 0, 2, -1, 4]
+    assert heads_tree.tokens == [8, 6, 5]  # the drafter's own tree is not changed
+    with pytest.raises(ValueError, match="sampled tree"):
+        build_trie([[1]], 4, onto=DraftTree([8], [-1], torch.ones(1, 10) / 10))
+
+
+class FixedTree(Drafter):
+    """A mock drafter: always the same tree; remembers what it observed."""
+
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree, self.seen = tree, []
+
+    def propose(self, context):
+        return self.tree
+
+    def observe(self, tree, path, hidden, next_token):
+        self.seen.append((tree, path, next_token))
+
+
+def test_lookup_graft_only_when_greedy():
+    context = [1, 2, 3, 4, 1, 2, 3]  # (2, 3) occurred at 1: lookup proposes [4, 1, 2, 3]
+    inner = FixedTree(DraftTree([4, 7], [-1, 0]))
+    drafter = LookupGraft(inner, budget=2)
+    assert drafter.name == "none+lookup"
+    drafter.start(context[:-1], None, SamplingParams(0.0))
+    grafted = drafter.propose(context)
+    assert grafted.tokens == [4, 7, 1, 2] and grafted.parents == [-1, 0, 0, 2]
+    drafter.observe(grafted, [0, 2], torch.zeros(3, 4), 9)
+    assert inner.seen == [(grafted, [0, 2], 9)]  # the inner drafter sees the tree the target verified
+    drafter.start(context[:-1], None, SamplingParams(1.0))
+    assert drafter.propose(context) is inner.tree  # sampled trees carry q: nothing is grafted

@@ -66,6 +66,10 @@ def test_greedy_identity_with_a_reduced_draft_vocabulary(tmp_path, tiny_model_di
     assert_identity_with_trained_heads(tmp_path, tiny_model_dir, "medusa", trees, **{"heads.draft_vocab": 24})
 
 
+def test_greedy_identity_with_lookup_branches_grafted_on(tmp_path, tiny_model_dir):
+    assert_identity_with_trained_heads(tmp_path, tiny_model_dir, "medusa", [{}], drafter="medusa+lookup")
+
+
 def test_sampling_first_three_tokens_match_plain_sampling():
     """First 3 tokens with a Medusa drafter (random heads, 3 deep, budget 12; at T > 0 the tree is
     sampled, q recorded) at T=0.8, top-p 0.9, against their exact distribution. Fails when the

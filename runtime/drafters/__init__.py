@@ -17,6 +17,9 @@ from runtime.tree import DraftTree
 # drafted as well on held-out prompts, 15.2 instead of 17.4 ms a round (README: the shipped heads).
 DRAFT_VOCAB = 12288
 
+DRAFTERS = ("none", "lookup", "medusa", "eagle", "model", "layerskip")
+GRAFTED = tuple(f"{name}+lookup" for name in ("medusa", "eagle", "model", "layerskip"))  # runtime.drafters.graft
+
 
 class Drafter:
     """Base class: proposes nothing (plain decoding)."""
@@ -79,9 +82,16 @@ def make_drafter(
     Without `heads`, the heads shipped for `model_name` (an embedded model's name) are used if there are any.
     `model` drafts with the causal LM `draft_model` (a path or embedded name); `layerskip` with the
     target's first `draft_layers` layers (an int, or a comma list of layer indices starting at 0).
+    `NAME+lookup` grafts prompt-lookup branches onto NAME's greedy trees (`graft.LookupGraft`).
     `medusa` and `eagle` read out only the `draft_vocab` most frequent tokens of their heads' draft
     vocabulary (None: DRAFT_VOCAB; heads with the full vocabulary read all of it).
     """
+    if name in GRAFTED:
+        from runtime.drafters.graft import LookupGraft
+
+        inner = name.removesuffix("+lookup")
+        knobs = (tree_budget, tree_depth, tree_top_k, model_name, draft_model, draft_layers, draft_vocab)
+        return LookupGraft(make_drafter(inner, model, tokenizer, heads, *knobs))
     if name == "none":
         return Drafter()
     if name == "lookup":
@@ -92,7 +102,7 @@ def make_drafter(
     if name in ("model", "layerskip"):
         return _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, tree)
     if name not in ("medusa", "eagle"):
-        raise ValueError(f"unknown drafter '{name}': choose none, lookup, medusa, eagle, model or layerskip")
+        raise ValueError(f"unknown drafter '{name}': choose from {', '.join(DRAFTERS + GRAFTED)}")
     from heads.checkpoint import load_heads, shipped_heads
 
     if heads is None and model_name is not None:

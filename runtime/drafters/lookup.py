@@ -54,11 +54,18 @@ class LookupDrafter(Drafter):
         return branches
 
 
-def build_trie(branches: list[list[int]], budget: int) -> DraftTree:
-    """Merge token sequences into a prefix tree (first branch first), at most `budget` nodes."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+def build_trie(branches: list[list[int]], budget: int, onto: DraftTree | None = None) -> DraftTree:
+    """Merge token sequences into a prefix tree (first branch first), at most `budget` new nodes.
+
+    With `onto` (a tree of point masses) the branches are grafted onto a copy of it: a token already
+    proposed under the same parent is reused, so only what the tree lacks is added.
+    """
+    if onto is not None and onto.draft_probs is not None:
+        raise ValueError("a sampled tree (with q per node) takes no grafted point masses")
+    tokens = list(onto.tokens) if onto is not None else []
+    parents = list(onto.parents) if onto is not None else []
+    index = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
+    budget += len(tokens)
     for branch in branches:
         parent = -1
         for token in branch:

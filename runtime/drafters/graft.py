@@ -1,0 +1,43 @@
+"""A trained drafter's tree with prompt-lookup branches grafted on: `--drafter eagle+lookup`.
+
+Trained heads guess what the model tends to write; prompt lookup guesses that it copies what it
+read (a document it summarises, a sentence it translates). One tree can hold both guesses, and
+the verifier checks every branch in the same single forward pass: where the lookup branch agrees
+with the heads' tree no node is added, where it goes its own way at most `budget` nodes are.
+
+Greedy decoding only. At temperature > 0 the trained drafters sample their trees (siblings drawn
+from q without replacement, q recorded per node); a point-mass sibling among them would break that
+accounting, so there the inner drafter's tree is proposed unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.drafters import Drafter
+from runtime.drafters.lookup import LookupDrafter, build_trie
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+
+
+class LookupGraft(Drafter):
+    def __init__(self, inner: Drafter, lookup: LookupDrafter | None = None, budget: int = 8) -> None:
+        """`budget`: the most nodes the lookup branches add to `inner`'s tree (README: Drafters)."""
+        if budget < 1:
+            raise ValueError(f"the graft budget must be >= 1, got {budget}")
+        self.inner, self.lookup, self.budget = inner, lookup or LookupDrafter(), budget
+        self.name = f"{inner.name}+lookup"
+        self.greedy = True
+
+    def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
+        self.greedy = (sampling or SamplingParams()).greedy
+        self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
+
+    def propose(self, context: list[int]) -> DraftTree:
+        tree = self.inner.propose(context)
+        if not self.greedy:
+            return tree
+        return build_trie(self.lookup.find_branches(context), self.budget, onto=tree)
+
+    def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        self.inner.observe(tree, path, hidden, next_token)  # the inner drafter reads tokens and features only
