@@ -153,8 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--drafter", default="lookup", choices=["lookup", "medusa", "eagle"],
-                   help="speculative side: lookup (fastest here) or the heads shipped for --model")  # fmt: skip
+    d.add_argument(
+        "--drafter",
+        default="lookup",
+        choices=["lookup", "medusa", "eagle", "medusa+lookup", "eagle+lookup"],
+        help="speculative side: lookup or the heads shipped for --model (+lookup: both in one tree)",
+    )
     return parser
 
 
