@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from runtime.bench import METHODS
+from runtime.demo import DEFAULT_DRAFTER
 from runtime.drafters import DRAFT_VOCAB, DRAFTERS, GRAFTED
 from runtime.models import DEFAULT_MODEL, DTYPES
 from runtime.prompts import Prompt, load_prompts
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument(
         "--drafter",
-        default="lookup",
+        default=DEFAULT_DRAFTER,
         choices=["lookup", "medusa", "eagle", "medusa+lookup", "eagle+lookup"],
         help="speculative side: lookup or the heads shipped for --model (+lookup: both in one tree)",
     )

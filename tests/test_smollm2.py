@@ -74,7 +74,7 @@ def test_demo_with_shipped_heads_is_identical(capsys):
     """`headstart demo` (the README's first command), shortened: every answer identical to plain decoding."""
     from runtime.cli import main
 
-    assert main(["demo", "--max-new-tokens", "32", "--drafter", "eagle"]) == 0
+    assert main(["demo", "--max-new-tokens", "32"]) == 0  # the default drafter: eagle+lookup
     out = capsys.readouterr().out
     assert "=== overall: 3/3 identical" in out, out[-600:]
 
