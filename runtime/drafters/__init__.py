@@ -14,7 +14,7 @@ from runtime.tree import DraftTree
 
 # Draft tokens the trained heads read out by default: the first 12,288 of their frequency-ordered
 # draft vocabulary. A bf16 readout of 16,384 x 576 falls out of this 2-core CPU's 32 MB L3; 12,288
-# drafted as well on held-out prompts, 15.2 instead of 17.4 ms a round (README: the shipped heads).
+# drafted as well on held-out prompts, 15.2 instead of 17.4 ms a round (README: Drafter defaults).
 DRAFT_VOCAB = 12288
 
 DRAFTERS = ("none", "lookup", "medusa", "eagle", "model", "layerskip")

@@ -22,7 +22,7 @@ from runtime.tree import DraftTree
 
 class LookupGraft(Drafter):
     def __init__(self, inner: Drafter, lookup: LookupDrafter | None = None, budget: int = 8) -> None:
-        """`budget`: the most nodes the lookup branches add to `inner`'s tree (README: Drafters)."""
+        """`budget`: the most nodes the lookup branches add to `inner`'s tree (README: Drafter defaults)."""
         if budget < 1:
             raise ValueError(f"the graft budget must be >= 1, got {budget}")
         self.inner, self.lookup, self.budget = inner, lookup or LookupDrafter(), budget
