@@ -244,7 +244,9 @@ def test_full_queue_gets_429_and_a_disconnect_frees_the_worker(tiny_model_dir):
 
 
 def test_time_limit_ends_a_request(tiny_model_dir):
-    live = LiveServer(tiny_engine(tiny_model_dir, "none", delay_s=0.05), time_limit_s=0.5)
+    engine = tiny_engine(tiny_model_dir, "none", delay_s=0.05)
+    engine.eos_ids = frozenset()  # the request samples (temperature 1): an early <eos> would end it first
+    live = LiveServer(engine, time_limit_s=0.5)
     try:
         r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "the cat", "max_tokens": 200},
                        timeout=30)  # fmt: skip
