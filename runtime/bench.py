@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runtime.drafters import GRAFTED, Drafter, make_drafter
+from runtime.drafters import GRAFTED, Drafter, base_drafter, make_drafter
 from runtime.engine import Engine
 from runtime.generate import GenerationStats
 from runtime.prompts import load_prompts
@@ -89,15 +89,14 @@ def method_drafter(method: str, draft_options: dict) -> tuple[str, dict]:
     """(drafter name, its options) of a method. A suffix sets the drafter's one knob for that method:
     `layerskip:N` layers, `model:PATH` draft model, `medusa:B` / `eagle:B` tree budget."""
     name, _, arg = method.partition(":")
-    base = name.removesuffix("+lookup")  # eagle+lookup: the eagle drafter, lookup branches grafted on
-    if (name not in METHODS and name not in GRAFTED) or (arg and base not in VARIANTS):
+    if (name not in METHODS and name not in GRAFTED) or (arg and base_drafter(name) not in VARIANTS):
         raise ValueError(
             f"unknown method {method}: choose from {', '.join(METHODS + GRAFTED)}, layerskip:N, model:PATH, "
             "medusa:B, eagle:B"
         )
     options = dict(draft_options)
     if arg:
-        key = VARIANTS[base]
+        key = VARIANTS[base_drafter(name)]
         if key == "tree_budget" and not arg.isdigit():
             raise ValueError(f"{method}: the tree budget after '{name}:' must be a whole number")
         options[key] = int(arg) if key == "tree_budget" else arg
@@ -136,7 +135,7 @@ def run_bench(
     drafters = {}
     for m, (name, options) in specs.items():
         if name not in ("hf", "hf-lookup"):
-            kind = name.removesuffix("+lookup")
+            kind = base_drafter(name)  # eagle+lookup loads the eagle heads
             drafters[m] = make_drafter(name, model, tokenizer, heads.get(kind), model_name=model_name, **options)
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]

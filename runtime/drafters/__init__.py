@@ -21,6 +21,11 @@ DRAFTERS = ("none", "lookup", "medusa", "eagle", "model", "layerskip")
 GRAFTED = tuple(f"{name}+lookup" for name in ("medusa", "eagle", "model", "layerskip"))  # runtime.drafters.graft
 
 
+def base_drafter(name: str) -> str:
+    """The drafter a grafted name builds on (`eagle+lookup` -> `eagle`); any other name as it is."""
+    return name.removesuffix("+lookup") if name in GRAFTED else name
+
+
 class Drafter:
     """Base class: proposes nothing (plain decoding)."""
 
@@ -86,18 +91,19 @@ def make_drafter(
     `medusa` and `eagle` read out only the `draft_vocab` most frequent tokens of their heads' draft
     vocabulary (None: DRAFT_VOCAB; heads with the full vocabulary read all of it).
     """
-    if name in GRAFTED:
-        from runtime.drafters.graft import LookupGraft
-
-        inner = name.removesuffix("+lookup")
-        knobs = (tree_budget, tree_depth, tree_top_k, model_name, draft_model, draft_layers, draft_vocab)
-        return LookupGraft(make_drafter(inner, model, tokenizer, heads, *knobs))
     if name == "none":
         return Drafter()
-    if name == "lookup":
+    if name in ("lookup", *GRAFTED):
         from runtime.drafters.lookup import LookupDrafter
 
-        return LookupDrafter(**options)
+        lookup = LookupDrafter(**options)
+        if name == "lookup":
+            return lookup
+        from runtime.drafters.graft import LookupGraft
+
+        knobs = dict(tree_budget=tree_budget, tree_depth=tree_depth, tree_top_k=tree_top_k, model_name=model_name,
+                     draft_model=draft_model, draft_layers=draft_layers, draft_vocab=draft_vocab)  # fmt: skip
+        return LookupGraft(make_drafter(base_drafter(name), model, tokenizer, heads, **knobs), lookup)
     tree = {k: v for k, v in {"depth": tree_depth, "top_k": tree_top_k, "budget": tree_budget}.items() if v is not None}
     if name in ("model", "layerskip"):
         return _make_model_drafter(name, model, tokenizer, model_name, draft_model, draft_layers, tree)

@@ -62,6 +62,8 @@ def build_trie(branches: list[list[int]], budget: int, onto: DraftTree | None = 
     """
     if onto is not None and onto.draft_probs is not None:
         raise ValueError("a sampled tree (with q per node) takes no grafted point masses")
+    if onto is not None and not branches:
+        return onto  # nothing to graft: most rounds of a text that does not repeat itself
     tokens = list(onto.tokens) if onto is not None else []
     parents = list(onto.parents) if onto is not None else []
     index = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
