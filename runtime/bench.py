@@ -9,7 +9,7 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   eagle      our loop with a trained EAGLE head (--eagle-heads DIR, default: the shipped one)
   layerskip  our loop, the target's first --draft-layers layers drafting
   model      our loop, a small draft model (--draft-model) drafting
-  X+lookup   X's tree with prompt-lookup branches grafted on at T = 0 (eagle+lookup, medusa+lookup, ...)
+  X+lookup   X's tree with prompt-lookup branches grafted on (eagle+lookup, medusa+lookup, ...)
 A suffix makes a variant with the drafter's one knob set (one run can compare several):
 `layerskip:N` (layers), `model:PATH` (draft model), `medusa:B` and `eagle:B` (tree budget).
 Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart

@@ -188,6 +188,32 @@ def test_exact_sampled_proposals(replacement):
     assert (extend_to_length(outcomes, params) - target_joint(params)).abs().max() < 1e-9
 
 
+def test_exact_sampled_proposals_with_grafted_point_masses():
+    """Prompt-lookup branches grafted onto every sampled tree (`eagle+lookup` at T > 0): the branches
+    [a, b] (the target's likeliest root token, then its likeliest next) and [z] (the root's least
+    likely token, outside top-k 6: never accepted) reuse a sampled node when one has the token, else
+    add a point mass after the sampled siblings. All V^4 trees, each enumerated."""
+    from runtime.drafters.lookup import build_trie
+
+    params = PARAMS[1]
+    root = world_logits((), 0).argsort(descending=True).tolist()
+    a, z = root[0], root[-1]
+    b = int(world_logits((a,), 0).argmax())
+    outcomes = defaultdict(float)
+    reused = added = 0
+    for tree_prob, sampled in sampled_trees(replacement=False):
+        tree = build_trie([[a, b], [z]], budget=3, onto=sampled)
+        assert tree.tokens[:4] == sampled.tokens and torch.equal(tree.draft_probs[:4], sampled.draft_probs)
+        assert (tree.draft_probs[4:].max(1).values == 1).all()  # the added nodes: point masses
+        reused += a in sampled.tokens[:2]
+        added += len(tree) - len(sampled)
+        for seq, prob in enumerate_outcomes(lambda rng, tree=tree: round_outcome(tree, params, rng)).items():
+            outcomes[seq] += tree_prob * prob
+    assert reused and added  # both cases occur
+    assert abs(sum(outcomes.values()) - 1) < 1e-9
+    assert (extend_to_length(outcomes, params) - target_joint(params)).abs().max() < 1e-9
+
+
 def test_greedy_accepts_the_argmax_path():
     params = SamplingParams(0.0)
     tree = point_mass_tree()

@@ -106,6 +106,30 @@ def test_sampled_tree_first_three_tokens_match_plain_sampling():
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
 
 
+def test_sampled_tree_with_lookup_grafted_on_matches_plain_sampling():
+    """`eagle+lookup` at T=0.8, top-p 0.9: the sampled tree of the test above with prompt-lookup point
+    masses grafted after its sampled siblings. The prompt repeats itself, so lookup finds branches.
+    p < 1e-3 fails (0.1 % chance)."""
+    from runtime.drafters.graft import LookupGraft
+    from tests.exactness import SAMPLING
+
+    model = sampling_model()
+    eagle = EagleDrafter(
+        random_heads("eagle", model, 0.1),
+        model.model.embed_tokens,
+        model.lm_head,
+        budget=6,
+        rank_accuracy=[[0.5, 0.3], [0.4, 0.3], [0.5]],
+    )
+    drafter = LookupGraft(eagle, budget=4)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    target = Target(model)
+    drafter.start(prompt, target.prefill(prompt[:-1]), SAMPLING, seed=0)
+    tree = drafter.propose(prompt)
+    assert len(tree) > 6 and tree.draft_probs is not None  # sampled nodes and grafted point masses
+    assert_first_three_follow_target(model, prompt, drafter)
+
+
 def test_trained_heads_sample_their_tree_above_temperature_zero(tmp_path, tiny_model_dir):
     from runtime.drafters import make_drafter
     from runtime.models import load_model

@@ -1,6 +1,5 @@
 """Prompt lookup: the branches it finds and the tree it builds, on hand-made contexts."""
 
-import pytest
 import torch
 
 from runtime.drafters import Drafter
@@ -58,8 +57,17 @@ def test_graft_adds_only_what_the_tree_lacks():
     assert tree.tokens == [8, 6, 5, 2, 9, 1]
     assert tree.parents == [-1, -1, 0, 2, -1, 4]
     assert heads_tree.tokens == [8, 6, 5]  # the drafter's own tree is not changed
-    with pytest.raises(ValueError, match="sampled tree"):
-        build_trie([[1]], 4, onto=DraftTree([8], [-1], torch.ones(1, 10) / 10))
+
+
+def test_graft_onto_a_sampled_tree_adds_point_masses():
+    #   sampled tree: root -> 8 (q0) -> 5 (q1)     lookup branch [8, 2]
+    #   grafted:      root -> 8 (q0) -> 5 (q1)     2 added under 8, after its sampled child 5:
+    #                               \-> 2 (one-hot q at 2)
+    q = torch.softmax(torch.randn(2, 10), -1)
+    tree = build_trie([[8, 2]], budget=4, onto=DraftTree([8, 5], [-1, 0], q))
+    assert tree.tokens == [8, 5, 2] and tree.parents == [-1, 0, 0]
+    assert torch.equal(tree.draft_probs[:2], q)
+    assert tree.draft_probs[2].tolist() == [0.0] * 2 + [1.0] + [0.0] * 7
 
 
 class FixedTree(Drafter):
@@ -75,7 +83,7 @@ class FixedTree(Drafter):
         self.seen.append((tree, path, next_token))
 
 
-def test_lookup_graft_only_when_greedy():
+def test_lookup_graft_at_every_temperature():
     context = [1, 2, 3, 4, 1, 2, 3]  # (2, 3) occurred at 1: lookup proposes [4, 1, 2, 3]
     inner = FixedTree(DraftTree([4, 7], [-1, 0]))
     drafter = LookupGraft(inner, budget=2)
@@ -85,5 +93,7 @@ def test_lookup_graft_only_when_greedy():
     assert grafted.tokens == [4, 7, 1, 2] and grafted.parents == [-1, 0, 0, 2]
     drafter.observe(grafted, [0, 2], torch.zeros(3, 4), 9)
     assert inner.seen == [(grafted, [0, 2], 9)]  # the inner drafter sees the tree the target verified
+    inner.tree = DraftTree([4, 7], [-1, 0], torch.full((2, 10), 0.1))  # sampled: q per node
     drafter.start(context[:-1], None, SamplingParams(1.0))
-    assert drafter.propose(context) is inner.tree  # sampled trees carry q: nothing is grafted
+    grafted = drafter.propose(context)
+    assert grafted.tokens == [4, 7, 1, 2] and grafted.draft_probs[2:].argmax(1).tolist() == [1, 2]

@@ -5,9 +5,11 @@ read (a document it summarises, a sentence it translates). One tree can hold bot
 the verifier checks every branch in the same single forward pass: where the lookup branch agrees
 with the heads' tree no node is added, where it goes its own way at most `budget` nodes are.
 
-Greedy decoding only. At temperature > 0 the trained drafters sample their trees (siblings drawn
-from q without replacement, q recorded per node); a point-mass sibling among them would break that
-accounting, so there the inner drafter's tree is proposed unchanged.
+At temperature > 0 the trained drafters sample their trees (siblings drawn from q without
+replacement, q recorded per node); a grafted node comes after its sampled siblings and records a
+point mass (`build_trie`). `accept_path` stays exact whatever q each sibling was proposed from, as
+long as the proposals do not depend on the target's draws: lookup reads only the context
+(tests/test_accept.py enumerates every outcome of such grafted trees).
 """
 
 from __future__ import annotations
@@ -27,17 +29,12 @@ class LookupGraft(Drafter):
             raise ValueError(f"the graft budget must be >= 1, got {budget}")
         self.inner, self.lookup, self.budget = inner, lookup or LookupDrafter(), budget
         self.name = f"{inner.name}+lookup"
-        self.greedy = True
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
-        self.greedy = (sampling or SamplingParams()).greedy
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
 
     def propose(self, context: list[int]) -> DraftTree:
-        tree = self.inner.propose(context)
-        if not self.greedy:
-            return tree
-        return build_trie(self.lookup.find_branches(context), self.budget, onto=tree)
+        return build_trie(self.lookup.find_branches(context), self.budget, onto=self.inner.propose(context))
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         self.inner.observe(tree, path, hidden, next_token)  # the inner drafter reads tokens and features only

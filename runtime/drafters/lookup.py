@@ -57,17 +57,19 @@ class LookupDrafter(Drafter):
 def build_trie(branches: list[list[int]], budget: int, onto: DraftTree | None = None) -> DraftTree:
     """Merge token sequences into a prefix tree (first branch first), at most `budget` new nodes.
 
-    With `onto` (a tree of point masses) the branches are grafted onto a copy of it: a token already
-    proposed under the same parent is reused, so only what the tree lacks is added.
+    With `onto` the branches are grafted onto a copy of that tree: a token already proposed under the
+    same parent is reused, so only what the tree lacks is added, after the tree's own siblings. When
+    `onto` was sampled (q per node), each added node records a one-hot q at its token: a point mass,
+    which `accept_path` accepts with probability p(x) and removes from the residual on rejection.
+    Exact because the branches depend on the context alone, never on the target's draws this round.
     """
-    if onto is not None and onto.draft_probs is not None:
-        raise ValueError("a sampled tree (with q per node) takes no grafted point masses")
     if onto is not None and not branches:
         return onto  # nothing to graft: most rounds of a text that does not repeat itself
     tokens = list(onto.tokens) if onto is not None else []
     parents = list(onto.parents) if onto is not None else []
     index = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
-    budget += len(tokens)
+    old = len(tokens)
+    budget += old
     for branch in branches:
         parent = -1
         for token in branch:
@@ -79,4 +81,9 @@ def build_trie(branches: list[list[int]], budget: int, onto: DraftTree | None = 
                 tokens.append(token)
                 parents.append(parent)
             parent = node
-    return DraftTree(tokens, parents)
+    probs = onto.draft_probs if onto is not None else None
+    if probs is not None and len(tokens) > old:  # (n, V): point masses for the added nodes
+        added = probs.new_zeros(len(tokens) - old, probs.shape[1])
+        added[torch.arange(len(added)), torch.tensor(tokens[old:])] = 1.0
+        probs = torch.cat([probs, added])
+    return DraftTree(tokens, parents, probs)
