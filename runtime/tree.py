@@ -15,6 +15,7 @@ from: q with the earlier siblings removed and renormalised.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -123,11 +124,15 @@ class TreeGrower:
     log-probability and says what each may attend to; the drafter runs them in one forward and gives
     them their children with `add_children`. `tree()` reranks and keeps the `budget` best.
     Growth stops early, with the same tree, once no child of the frontier can enter the best `budget`
-    (a child's cumulative log-probability never exceeds its parent's): a forward saved.
+    (a child's cumulative log-probability never exceeds its parent's): a forward saved. It also stops
+    once the best frontier path's draft probability is below `min_prob`: the children of a path
+    with probability P add at most P accepted tokens in expectation (as far as the draft's q is
+    calibrated), less than the drafter's forward costs when P is small.
     """
 
-    def __init__(self, top_k: int, budget: int) -> None:
+    def __init__(self, top_k: int, budget: int, min_prob: float = 0.0) -> None:
         self.top_k, self.budget = top_k, budget
+        self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.scores: list[float] = []  # cumulative log-probability of each node's path
@@ -156,8 +161,11 @@ class TreeGrower:
     def choose(self, frontier: list[int]) -> list[int]:
         """The frontier nodes to expand: the `top_k` of highest cumulative log-probability; none when
         the `budget`-th best drafted node already scores at least as high as the best of them (children
-        come later in the drafted order, so they lose ties in `rerank`)."""
+        come later in the drafted order, so they lose ties in `rerank`), or when the best of them is less
+        likely than `min_prob`."""
         chosen = sorted(frontier, key=lambda i: -self.scores[i])[: self.top_k]
+        if chosen and self.scores[chosen[0]] < self.min_logp:
+            return []
         full = chosen and len(self.scores) >= self.budget
         if full and heapq.nlargest(self.budget, self.scores)[-1] >= self.scores[chosen[0]]:
             return []

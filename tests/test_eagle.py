@@ -38,7 +38,7 @@ def test_drafted_features_equal_a_fresh_head_forward():
     """Tree attention inside the head: a drafted node's feature equals the head run on its path alone."""
     model = tiny_llama(vocab_size=64, init_std=0.2)
     head = random_heads("eagle", model, 0.1)
-    drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, depth=3, top_k=2, budget=50)
+    drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, depth=3, top_k=2, budget=50, min_prob=0)
     prompt = [5, 9, 3, 17, 22, 8]
     target = Target(model)
     hidden = target.prefill(prompt[:-1])

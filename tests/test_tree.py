@@ -145,3 +145,13 @@ def test_tree_growth_stops_once_no_child_can_enter_the_budget():
     assert (tree.tokens, tree.parents) == ([0, 1, 0], [-1, -1, 1])  # a, b, then e under b
     grow, frontier = grown(budget=4)
     assert grow.choose(frontier) == [frontier[2], frontier[0]]  # e, c
+
+
+def test_tree_growth_stops_below_min_prob():
+    """The tree of the test above, budget 4, min_prob 0.4: a (0.5) is likely enough to expand; at the next
+    depth the best frontier path, e, has 0.36 < 0.4: its children would add at most 0.36 tokens."""
+    grow = TreeGrower(top_k=2, budget=4, min_prob=0.4)
+    frontier = grow.add_children([-1], torch.tensor([[0.5, 0.4, 0.1]]).log())
+    assert grow.choose(frontier) == frontier  # a, b
+    frontier = grow.add_children(frontier, torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.06, 0.04]]).log())
+    assert grow.choose(frontier) == []

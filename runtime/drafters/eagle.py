@@ -6,7 +6,8 @@ the root, whose lm_head readout scores the root's children. Drafting, depth by d
 frontier node by the cumulative log-probability of its path, expand the `top_k` best (one head
 forward over all of them, a tree mask inside the head), give each its `top_k` likeliest children.
 Then rerank every drafted node by cumulative log-probability and keep the best `budget`: a child is
-never likelier than its parent, so the kept set is a tree. Drafted entries leave the head's cache
+never likelier than its parent, so the kept set is a tree. Growth stops early once the likeliest
+frontier path is less likely than `min_prob` (a head forward saved). Drafted entries leave the head's cache
 after each round; the features of the accepted path, from the target's verification pass, enter it.
 Every node is a deterministic guess (a point mass). Heads trained with a reduced draft vocabulary
 score only its tokens (`heads.vocab`); log-probabilities are then normalised over those.
@@ -42,18 +43,22 @@ class EagleDrafter(SamplingDrafter):
         depth: int = 5,
         top_k: int = 4,
         budget: int = 12,  # tuned on held-out prompts, 2-core CPU (README: Drafters)
+        min_prob: float = 0.1,  # stop expanding below this path probability (README: Drafter defaults)
         rank_accuracy: list[list[float]] | None = None,
         draft_vocab: int | None = None,
     ) -> None:
         """`rank_accuracy` (the head's measured per-depth, per-rank accuracies) gives the static tree of
         `budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used at every
-        temperature. `draft_vocab` reads out only that many of the head's most frequent draft tokens."""
+        temperature. `draft_vocab` reads out only that many of the head's most frequent draft tokens.
+        The dynamic tree grows no deeper once its likeliest frontier path is less likely than `min_prob`."""
         if min(depth, top_k, budget) < 1:
             raise ValueError(f"depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
+        if not 0 <= min_prob < 1:
+            raise ValueError(f"min_prob must be in [0, 1), got {min_prob}")
         super().__init__(lm_head.weight.device)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head, draft_vocab)
         self.vocab_size = lm_head.weight.shape[0]
-        self.depth, self.top_k, self.budget = depth, top_k, budget
+        self.depth, self.top_k, self.budget, self.min_prob = depth, top_k, budget, min_prob
         self.shape = choose_tree_shape(rank_accuracy, budget) if rank_accuracy else None
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
@@ -98,7 +103,7 @@ class EagleDrafter(SamplingDrafter):
         if self.shape is not None and not self.sampling.greedy:
             grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator)
         else:
-            grow = TreeGrower(self.top_k, self.budget)
+            grow = TreeGrower(self.top_k, self.budget, self.min_prob)
         frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
             expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
