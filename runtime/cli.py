@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from runtime.bench import METHODS
 from runtime.demo import DEFAULT_DRAFTER
-from runtime.drafters import DRAFT_VOCAB, DRAFTERS, GRAFTED
+from runtime.drafters import DRAFT_VOCAB, DRAFTERS, GRAFTED, MEDUSA_BUDGET
 from runtime.models import DEFAULT_MODEL, DTYPES
 from runtime.prompts import Prompt, load_prompts
 from runtime.sampling import SamplingParams
@@ -36,7 +36,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="eagle+lookup etc.: lookup branches grafted onto the drafter's tree (T = 0)")  # fmt: skip
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="nodes per tree (default: medusa the saved shape, eagle 12, others 16)")  # fmt: skip
+                   help=f"nodes per tree (default: medusa {MEDUSA_BUDGET}, eagle 12, others 16)")  # fmt: skip
     p.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="eagle, model, layerskip: nodes expanded and children per node (model, layerskip: 1 = a chain, "

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.drafters import DRAFT_VOCAB, make_drafter
+from runtime.drafters import DRAFT_VOCAB, MEDUSA_BUDGET, make_drafter
 from runtime.engine import Engine
 from runtime.prompts import load_prompts
 
@@ -67,6 +67,8 @@ def test_greedy_identity_with_shipped_heads(engine, kind):
     drafter = make_drafter(kind, engine.target.model, engine.tokenizer, str(heads))
     trained = json.loads((heads / "config.json").read_text())["options"]["draft_vocab"]
     assert drafter.readout.size == min(trained, DRAFT_VOCAB)  # by default a prefix of the draft vocabulary
+    if kind == "medusa":  # the default tree, chosen from the saved per-rank accuracies
+        assert len(drafter.shape) == MEDUSA_BUDGET
     assert assert_identity(engine, drafter, spec_bench(2)) > 0
 
 

@@ -29,7 +29,6 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch train/hea
 
 from heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
 from heads.vocab import frequent_tokens
-from runtime.tree import choose_tree_shape
 from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from train.data import Row, collate, load_rows, make_batches, split_rows
 from train.features import FeatureCache, final_features
@@ -37,7 +36,6 @@ from train.losses import eagle_loss, eagle_unroll, head_metrics, medusa_labels, 
 
 EVAL_TOPK = 5
 RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
-TREE_BUDGET = 16  # nodes of the tree shape saved with Medusa heads (CPU default, see README)
 
 
 def load_target(cfg: TrainConfig):
@@ -309,8 +307,6 @@ class Trainer:
             }
             if self.started_from is not None:
                 extra["init_from"] = self.started_from
-            if cfg.heads.kind == "medusa" and self.rank_accuracy:
-                extra["tree"] = choose_tree_shape(self.rank_accuracy, TREE_BUDGET)
             fp = target_fingerprint(self.model, self.tokenizer, name=cfg.target.model)
             save_heads(out / "heads", acc.unwrap_model(self.heads), cfg.heads.kind, self.options, fp, extra)
         return metrics
