@@ -36,7 +36,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="eagle+lookup etc.: lookup branches grafted onto the drafter's tree (T = 0)")  # fmt: skip
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help=f"nodes per tree (default: medusa {MEDUSA_BUDGET}, eagle 12, others 16)")  # fmt: skip
+                   help=f"nodes per tree (default: medusa {MEDUSA_BUDGET}, eagle 12 at T = 0 and 8 above, "
+                   "others 16)")  # fmt: skip
     p.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="eagle, model, layerskip: nodes expanded and children per node (model, layerskip: 1 = a chain, "

@@ -99,7 +99,7 @@ def test_sampled_tree_first_three_tokens_match_plain_sampling():
         random_heads("eagle", model, 0.1),
         model.model.embed_tokens,
         model.lm_head,
-        budget=6,
+        sampled_budget=6,
         rank_accuracy=[[0.5, 0.3], [0.4, 0.3], [0.5]],
     )
     assert drafter.shape == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -118,7 +118,7 @@ def test_sampled_tree_with_lookup_grafted_on_matches_plain_sampling():
         random_heads("eagle", model, 0.1),
         model.model.embed_tokens,
         model.lm_head,
-        budget=6,
+        sampled_budget=6,
         rank_accuracy=[[0.5, 0.3], [0.4, 0.3], [0.5]],
     )
     drafter = LookupGraft(eagle, budget=4)

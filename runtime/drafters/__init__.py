@@ -129,6 +129,8 @@ def make_drafter(
         from runtime.drafters.eagle import EagleDrafter
 
         embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        if tree_budget is not None:  # --tree-budget sets the tree at every temperature
+            tree["sampled_budget"] = tree_budget
         return EagleDrafter(
             module, embed, lm_head, rank_accuracy=config.get("rank_accuracy"), draft_vocab=draft_vocab, **tree
         )

@@ -12,7 +12,7 @@ after each round; the features of the accepted path, from the target's verificat
 Every node is a deterministic guess (a point mass). Heads trained with a reduced draft vocabulary
 score only its tokens (`heads.vocab`); log-probabilities are then normalised over those.
 
-At temperature > 0, given the head's measured per-rank accuracies (a static shape of `budget`
+At temperature > 0, given the head's measured per-rank accuracies (a static shape of `sampled_budget`
 nodes, `choose_tree_shape`), the tree is SAMPLED instead (`runtime.tree.ShapeSampler`): the same
 depth-by-depth head forwards, but each expanded node's children are drawn from the head's q
 without replacement and carry q, so verification accepts with min(1, p/q) rather than p(x) of a
@@ -44,22 +44,23 @@ class EagleDrafter(SamplingDrafter):
         top_k: int = 4,
         budget: int = 12,  # tuned on held-out prompts, 2-core CPU (README: Drafters)
         min_prob: float = 0.1,  # stop expanding below this path probability (README: Drafter defaults)
+        sampled_budget: int = 8,  # nodes of the tree sampled at T > 0, tuned as `budget`
         rank_accuracy: list[list[float]] | None = None,
         draft_vocab: int | None = None,
     ) -> None:
         """`rank_accuracy` (the head's measured per-depth, per-rank accuracies) gives the static tree of
-        `budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used at every
+        `sampled_budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used at every
         temperature. `draft_vocab` reads out only that many of the head's most frequent draft tokens.
         The dynamic tree grows no deeper once its likeliest frontier path is less likely than `min_prob`."""
-        if min(depth, top_k, budget) < 1:
-            raise ValueError(f"depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
+        if min(depth, top_k, budget, sampled_budget) < 1:
+            raise ValueError(f"depth, top_k and budgets must be >= 1, got {depth}, {top_k}, {budget}, {sampled_budget}")
         if not 0 <= min_prob < 1:
             raise ValueError(f"min_prob must be in [0, 1), got {min_prob}")
         super().__init__(lm_head.weight.device)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head, draft_vocab)
         self.vocab_size = lm_head.weight.shape[0]
         self.depth, self.top_k, self.budget, self.min_prob = depth, top_k, budget, min_prob
-        self.shape = choose_tree_shape(rank_accuracy, budget) if rank_accuracy else None
+        self.shape = choose_tree_shape(rank_accuracy, sampled_budget) if rank_accuracy else None
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
 
