@@ -33,7 +33,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", choices=DRAFTERS + GRAFTED,
-                   help="eagle+lookup etc.: lookup branches grafted onto the drafter's tree (T = 0)")  # fmt: skip
+                   help="eagle+lookup etc.: lookup branches grafted onto the drafter's tree")  # fmt: skip
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     p.add_argument("--tree-budget", type=int, default=None,
                    help=f"nodes per tree (default: medusa {MEDUSA_BUDGET}, eagle 12 at T = 0 and 8 above, "

@@ -19,7 +19,7 @@ DRAFT_VOCAB = 12288
 
 # Nodes of the Medusa tree by default (its shape: `choose_tree_shape` over the heads' saved per-rank
 # accuracies). Its heads guess deep tokens poorly, so a small tree pays best on this 2-core CPU:
-# 7 nodes ran 1.27x / 1.37x on the held-out prompts, 16 nodes 1.20x / 1.26x (README: Tree shapes).
+# 7 nodes ran 1.27x / 1.37x on the held-out prompts, 16 nodes 1.20x / 1.26x (README: Drafters).
 MEDUSA_BUDGET = 7
 
 DRAFTERS = ("none", "lookup", "medusa", "eagle", "model", "layerskip")

@@ -7,8 +7,9 @@ frontier node by the cumulative log-probability of its path, expand the `top_k` 
 forward over all of them, a tree mask inside the head), give each its `top_k` likeliest children.
 Then rerank every drafted node by cumulative log-probability and keep the best `budget`: a child is
 never likelier than its parent, so the kept set is a tree. Growth stops early once the likeliest
-frontier path is less likely than `min_prob` (a head forward saved). Drafted entries leave the head's cache
-after each round; the features of the accepted path, from the target's verification pass, enter it.
+frontier path is less likely than `min_prob` (a head forward saved). Drafted entries leave the
+head's cache after each round; the features of the accepted path, from the target's verification
+pass, enter it.
 Every node is a deterministic guess (a point mass). Heads trained with a reduced draft vocabulary
 score only its tokens (`heads.vocab`); log-probabilities are then normalised over those.
 
@@ -43,7 +44,7 @@ class EagleDrafter(SamplingDrafter):
         depth: int = 5,
         top_k: int = 4,
         budget: int = 12,  # tuned on held-out prompts, 2-core CPU (README: Drafters)
-        min_prob: float = 0.1,  # stop expanding below this path probability (README: Drafter defaults)
+        min_prob: float = 0.1,  # stop expanding below this path probability (README: Drafters)
         sampled_budget: int = 8,  # nodes of the tree sampled at T > 0, tuned as `budget`
         rank_accuracy: list[list[float]] | None = None,
         draft_vocab: int | None = None,
