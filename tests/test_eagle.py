@@ -91,17 +91,18 @@ def test_sampling_first_three_tokens_match_plain_sampling():
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
 
 
+def sampled_tree_drafter(model) -> EagleDrafter:
+    """A random head that samples a 6-node static tree, shaped by made-up per-rank accuracies."""
+    heads = random_heads("eagle", model, 0.1)
+    acc = [[0.5, 0.3], [0.4, 0.3], [0.5]]
+    return EagleDrafter(heads, model.model.embed_tokens, model.lm_head, sampled_budget=6, rank_accuracy=acc)
+
+
 def test_sampled_tree_first_three_tokens_match_plain_sampling():
     """The same with the SAMPLED static tree (siblings drawn from q without replacement, q recorded):
     shape of budget 6 from made-up rank accuracies, T=0.8, top-p 0.9. p < 1e-3 fails (0.1 % chance)."""
     model = sampling_model()
-    drafter = EagleDrafter(
-        random_heads("eagle", model, 0.1),
-        model.model.embed_tokens,
-        model.lm_head,
-        sampled_budget=6,
-        rank_accuracy=[[0.5, 0.3], [0.4, 0.3], [0.5]],
-    )
+    drafter = sampled_tree_drafter(model)
     assert drafter.shape == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
 
@@ -114,14 +115,7 @@ def test_sampled_tree_with_lookup_grafted_on_matches_plain_sampling():
     from tests.exactness import SAMPLING
 
     model = sampling_model()
-    eagle = EagleDrafter(
-        random_heads("eagle", model, 0.1),
-        model.model.embed_tokens,
-        model.lm_head,
-        sampled_budget=6,
-        rank_accuracy=[[0.5, 0.3], [0.4, 0.3], [0.5]],
-    )
-    drafter = LookupGraft(eagle, budget=4)
+    drafter = LookupGraft(sampled_tree_drafter(model), budget=4)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     target = Target(model)
     drafter.start(prompt, target.prefill(prompt[:-1]), SAMPLING, seed=0)
