@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from runtime.bench import METHODS
 from runtime.demo import DEFAULT_DRAFTER
 from runtime.drafters import DRAFT_VOCAB, DRAFTERS, GRAFTED, MEDUSA_BUDGET
+from runtime.drafters.eagle import EagleDrafter
 from runtime.models import DEFAULT_MODEL, DTYPES
 from runtime.prompts import Prompt, load_prompts
 from runtime.sampling import SamplingParams
@@ -32,12 +34,13 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    eagle = {k: v.default for k, v in inspect.signature(EagleDrafter).parameters.items()}  # its defaults, read
     p.add_argument("--drafter", default="none", choices=DRAFTERS + GRAFTED,
                    help="eagle+lookup etc.: lookup branches grafted onto the drafter's tree")  # fmt: skip
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help=f"nodes per tree (default: medusa {MEDUSA_BUDGET}, eagle 12 at T = 0 and 8 above, "
-                   "others 16)")  # fmt: skip
+                   help=f"nodes per tree (default: medusa {MEDUSA_BUDGET}, eagle {eagle['budget']} at T = 0 and "
+                   f"{eagle['sampled_budget']} above, others 16)")  # fmt: skip
     p.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="eagle, model, layerskip: nodes expanded and children per node (model, layerskip: 1 = a chain, "

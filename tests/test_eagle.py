@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from runtime.drafters.eagle import EagleDrafter
+from runtime.drafters.graft import LookupGraft
 from runtime.target import Target
 from runtime.tree import rerank
 from tests.conftest import tiny_llama
 from tests.exactness import (
+    SAMPLING,
     assert_first_three_follow_target,
     assert_identity_with_trained_heads,
     random_heads,
@@ -111,9 +113,6 @@ def test_sampled_tree_with_lookup_grafted_on_matches_plain_sampling():
     """`eagle+lookup` at T=0.8, top-p 0.9: the sampled tree of the test above with prompt-lookup point
     masses grafted after its sampled siblings. The prompt repeats itself, so lookup finds branches.
     p < 1e-3 fails (0.1 % chance)."""
-    from runtime.drafters.graft import LookupGraft
-    from tests.exactness import SAMPLING
-
     model = sampling_model()
     drafter = LookupGraft(sampled_tree_drafter(model), budget=4)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
