@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
+from headstart.heads.eagle import EagleHead
+from headstart.heads.medusa import MedusaHeads
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.eagle import EagleHead
-from heads.medusa import MedusaHeads
-
 KINDS = ("medusa", "eagle")
-SHIPPED = Path(__file__).parent / "trained"  # heads trained by this project, shipped in the package
+SHIPPED = Path(str(resources.files("headstart.heads") / "trained"))  # heads this project trained and ships
 
 
 def shipped_heads(model_name: str, kind: str) -> Path | None:

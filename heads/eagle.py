@@ -17,10 +17,9 @@ With `draft_vocab` N > 0 the readout is restricted to the N ids in the buffer `d
 from __future__ import annotations
 
 import torch
+from headstart.heads.vocab import DraftReadout
 from torch import nn
 from transformers import PretrainedConfig
-
-from heads.vocab import DraftReadout
 
 
 class EagleHead(nn.Module):

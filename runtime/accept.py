@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from runtime.sampling import SamplingParams, target_probs
-from runtime.tree import DraftTree
+from headstart.runtime.sampling import SamplingParams, target_probs
+from headstart.runtime.tree import DraftTree
 
 
 class RandomSource(Protocol):

@@ -4,14 +4,8 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   plain      our decode loop with no drafter (the baseline of every speedup)
   hf         `model.generate` (greedy or sampling)
   hf-lookup  `model.generate(prompt_lookup_num_tokens=10)`
-  lookup     our loop with the prompt-lookup drafter
-  medusa     our loop with trained Medusa heads (--medusa-heads DIR, default: the shipped ones)
-  eagle      our loop with a trained EAGLE head (--eagle-heads DIR, default: the shipped one)
-  layerskip  our loop, the target's first --draft-layers layers drafting
-  model      our loop, a small draft model (--draft-model) drafting
-  X+lookup   X's tree with prompt-lookup branches grafted on (eagle+lookup, medusa+lookup, ...)
-A suffix makes a variant with the drafter's one knob set (one run can compare several):
-`layerskip:N` (layers), `model:PATH` (draft model), `medusa:B` and `eagle:B` (tree budget).
+  any drafter spec (`registry.parse_spec`): lookup, medusa, eagle, eagle+lookup, layerskip:N, model:PATH,
+  medusa:B (tree budget) ... — one run can compare several variants of one drafter.
 Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart
 of speedup and acceptance length per category and method.
 """
@@ -25,16 +19,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.registry import option_names, parse_spec
+from headstart.runtime.engine import Engine
+from headstart.runtime.generate import GenerationStats
+from headstart.runtime.prompts import load_prompts
+from headstart.runtime.sampling import SamplingParams
 from tqdm import tqdm
 
-from runtime.drafters import GRAFTED, Drafter, base_drafter, make_drafter
-from runtime.engine import Engine
-from runtime.generate import GenerationStats
-from runtime.prompts import load_prompts
-from runtime.sampling import SamplingParams
-
-METHODS = ("plain", "hf", "hf-lookup", "lookup", "medusa", "eagle", "layerskip", "model")
-DEFAULT_PROMPTS = "../shared/data/eval/spec_bench.jsonl"
+HF_METHODS = ("hf", "hf-lookup")  # transformers' own generate, for reference
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_GROUPS = {c: "mt_bench" for c in MT_BENCH}  # Spec-Bench's six categories: MT-bench is one of them
 
@@ -55,10 +48,10 @@ class Record:
 
 
 def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
-    engine.drafter = drafter
     stats = GenerationStats()
     t0 = time.perf_counter()
-    tokens = [t for chunk in engine.stream(ids, sampling, max_new, seed, stats=stats) for t in chunk.tokens]
+    tokens = [t for chunk in engine.stream(ids, sampling, max_new, seed, stats=stats, drafter=drafter)
+              for t in chunk.tokens]  # fmt: skip
     seconds = time.perf_counter() - t0
     rounds = max(stats.target_passes, 1)
     return tokens, seconds, stats.target_passes, 1e3 * stats.draft_s / rounds, 1e3 * stats.verify_s / rounds
@@ -82,30 +75,25 @@ def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingPara
     return out[0, len(ids) :].tolist(), seconds, None, None, None
 
 
-VARIANTS = {"layerskip": "draft_layers", "model": "draft_model", "medusa": "tree_budget", "eagle": "tree_budget"}
-
-
-def method_drafter(method: str, draft_options: dict) -> tuple[str, dict]:
-    """(drafter name, its options) of a method. A suffix sets the drafter's one knob for that method:
-    `layerskip:N` layers, `model:PATH` draft model, `medusa:B` / `eagle:B` tree budget."""
-    name, _, arg = method.partition(":")
-    if (name not in METHODS and name not in GRAFTED) or (arg and base_drafter(name) not in VARIANTS):
-        raise ValueError(
-            f"unknown method {method}: choose from {', '.join(METHODS + GRAFTED)}, layerskip:N, model:PATH, "
-            "medusa:B, eagle:B"
-        )
-    options = dict(draft_options)
-    if arg:
-        key = VARIANTS[base_drafter(name)]
-        if key == "tree_budget" and not arg.isdigit():
-            raise ValueError(f"{method}: the tree budget after '{name}:' must be a whole number")
-        options[key] = int(arg) if key == "tree_budget" else arg
-    return ("none" if name == "plain" else name), options
+def method_options(methods: list[str], options: dict) -> dict[str, dict]:
+    """Each drafter method's share of `options` (None values dropped): an option goes to every method that
+    takes it; `heads` is a {kind: directory} map. An option no method takes is an error naming it."""
+    given = {k: v for k, v in options.items() if v is not None}
+    heads = given.pop("heads", {}) or {}
+    specs = {m: parse_spec("none" if m == "plain" else m) for m in methods if m not in HF_METHODS}
+    taken = {m: {k: v for k, v in given.items() if k in option_names(spec)} for m, spec in specs.items()}
+    for m, spec in specs.items():
+        if heads.get(spec.base):
+            taken[m]["heads"] = heads[spec.base]
+    unused = [k for k in given if not any(k in t for t in taken.values())]
+    if unused:
+        raise ValueError(f"no method of {', '.join(methods)} takes {', '.join(unused)}")
+    return taken
 
 
 def run_method(engine: Engine, method: str, drafters: dict[str, Drafter], ids: list[int], sampling, max_new, seed):
     """(token_ids, seconds, target_passes, draft_ms, verify_ms) of one generation."""
-    if method in ("hf", "hf-lookup"):
+    if method in HF_METHODS:
         return _run_hf(engine, method == "hf-lookup", ids, sampling, max_new, seed)
     return _run_ours(engine, drafters[method], ids, sampling, max_new, seed)
 
@@ -119,24 +107,16 @@ def run_bench(
     limit_per_category: int | None = None,
     categories: set[str] | None = None,
     seed: int = 0,
-    heads: dict[str, str | None] | None = None,
-    model_name: str | None = None,
-    **draft_options: str | int | None,
+    **draft_options: str | int | dict | None,
 ) -> list[Record]:
     """Every method on every prompt and temperature.
 
-    `heads` maps medusa/eagle to checkpoint directories; missing ones are the heads shipped for `model_name`.
-    `draft_options` (draft_layers, draft_model; tree_depth, tree_top_k; draft_vocab) go to every drafter that
-    takes them.
+    `draft_options` go to every drafter method that takes them (`method_options`): `heads` maps medusa/eagle to
+    checkpoint directories (missing ones: the heads shipped for the engine's model), draft_layers, draft_model,
+    depth, top_k, draft_vocab ...
     """
-    heads = heads or {}
-    model, tokenizer = engine.target.model, engine.tokenizer
-    specs = {m: method_drafter(m, draft_options) for m in methods}  # every name checked before any loading
-    drafters = {}
-    for m, (name, options) in specs.items():
-        if name not in ("hf", "hf-lookup"):
-            kind = base_drafter(name)  # eagle+lookup loads the eagle heads
-            drafters[m] = make_drafter(name, model, tokenizer, heads.get(kind), model_name=model_name, **options)
+    options = method_options(methods, draft_options)  # every name checked before any loading
+    drafters = {m: engine.make_drafter("none" if m == "plain" else m, **o) for m, o in options.items()}
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection

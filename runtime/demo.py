@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from runtime.drafters import Drafter, make_drafter
-from runtime.engine import Engine
-from runtime.generate import GenerationStats
+if TYPE_CHECKING:  # the CLI reads DEFAULT_DRAFTER without loading torch
+    from headstart.runtime.drafters.base import Drafter
+    from headstart.runtime.engine import Engine
 
-# The shipped EAGLE head's tree with prompt-lookup branches grafted on: the fastest drafter that
-# uses the shipped heads, on held-out prompts (README: Drafter defaults).
+# The shipped EAGLE head's tree with prompt-lookup branches grafted on: of the drafters that use the
+# shipped heads, the fastest on held-out prompts (docs/tuning.md).
 DEFAULT_DRAFTER = "eagle+lookup"
 
 PROMPTS = [
@@ -38,33 +39,33 @@ def _marks(tty: bool) -> tuple[str, str]:
 
 
 def _decode(engine: Engine, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int, mark: bool):
-    """Stream one answer to stdout; return (token ids, stats, seconds)."""
-    engine.drafter = drafter
+    """Stream one answer to stdout, accepted draft tokens marked; return (token ids, stats, seconds)."""
+    from headstart.runtime.generate import GenerationStats
+    from headstart.runtime.text import TextDecoder
+
     on, off = _marks(sys.stdout.isatty())
     stats = GenerationStats()
+    marks = TextDecoder(engine.tokenizer)  # splits each round's text at its last accepted draft token
     ids: list[int] = []
-    shown = ""
     t0 = time.perf_counter()
-    for chunk in engine.stream(prompt_ids, max_new_tokens=max_new_tokens, stats=stats):
-        drafted_text = engine.tokenizer.decode(ids + chunk.tokens[: chunk.drafted], skip_special_tokens=True)
+    for chunk in engine.stream(prompt_ids, max_new_tokens=max_new_tokens, stats=stats, drafter=drafter):
+        drafted = marks.push(chunk.tokens[: chunk.drafted])
+        rest = marks.push(chunk.tokens[chunk.drafted :]) if chunk.tokens else marks.finish()
+        print(f"{on}{drafted}{off}" if mark and drafted.strip() else drafted, rest, sep="", end="", flush=True)
         ids += chunk.tokens
-        text = engine.tokenizer.decode(ids, skip_special_tokens=True)
-        piece = drafted_text[len(shown) :]
-        if mark and piece.strip():
-            print(f"{on}{piece}{off}", end="")
-        else:
-            print(piece, end="")
-        print(text[len(drafted_text) :], end="", flush=True)
-        shown = text
     print()
     return ids, stats, time.perf_counter() - t0
 
 
-def run_demo(model: str, dtype: str, device: str, max_new_tokens: int, drafter: str = DEFAULT_DRAFTER) -> int:
+def run_demo(
+    model: str, dtype: str, device: str, max_new_tokens: int, drafter: str = DEFAULT_DRAFTER, profile: str | None = None
+) -> int:
     """Plain vs `drafter` on the built-in prompts; trained drafters use the heads shipped for `model`."""
+    from headstart.runtime.engine import Engine
+
     print(f"headstart demo: loading {model} ({dtype}, {device}) ...", flush=True)
-    engine = Engine.load(model, dtype=dtype, device=device)
-    spec = make_drafter(drafter, engine.target.model, engine.tokenizer, model_name=model)
+    engine = Engine.load(model, dtype=dtype, device=device, profile=profile)
+    spec = engine.make_drafter(drafter)
     engine.generate(engine.encode("Hi"), max_new_tokens=4)  # warm-up
     on, off = _marks(sys.stdout.isatty())
     totals = {"plain": [0, 0.0], "spec": [0, 0.0, 0]}
@@ -73,7 +74,7 @@ def run_demo(model: str, dtype: str, device: str, max_new_tokens: int, drafter: 
         print(f"\n=== prompt {i}/{len(PROMPTS)}: {prompt!r}")
         prompt_ids = engine.encode(prompt)
         print("--- plain decoding:")
-        plain_ids, _, plain_s = _decode(engine, prompt_ids, make_drafter("none"), max_new_tokens, mark=False)
+        plain_ids, _, plain_s = _decode(engine, prompt_ids, engine.make_drafter("none"), max_new_tokens, mark=False)
         print(f"--- speculative decoding ({drafter} drafter; {on}accepted draft tokens{off} marked):")
         spec_ids, stats, spec_s = _decode(engine, prompt_ids, spec, max_new_tokens, mark=True)
         same = spec_ids == plain_ids

@@ -1,22 +1,37 @@
 """Engine: the Python API over the decode loop — text in, tokens and text out, stop strings handled.
 
-engine = Engine.load("smollm2-135m-instruct", dtype="bfloat16", drafter="lookup")
-result = engine.generate("Summarize: ...", max_new_tokens=128)
-result.text, result.stats.acceptance_length
+    engine = Engine.load("smollm2-135m-instruct", dtype="bfloat16", drafter="eagle+lookup")
+    result = engine.generate("Summarize: ...", max_new_tokens=128)
+    result.text, result.stats.acceptance_length
+
+The engine owns the target (model + KV cache) and a default drafter; any call may pass another
+`drafter=` (one built by `make_drafter` for this engine's model). Nothing is swapped on the engine.
+One request at a time: the target's cache belongs to the call that is streaming.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.generate import GenerationStats, stream
+from headstart.runtime.models import DEFAULT_MODEL, load_model
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.target import Target
+from headstart.runtime.text import TextDecoder
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from runtime.drafters import Drafter, make_drafter
-from runtime.generate import Chunk, GenerationStats, stream
-from runtime.models import DEFAULT_MODEL, load_model
-from runtime.sampling import SamplingParams
-from runtime.target import Target
+
+@dataclass
+class TextChunk:
+    tokens: list[int]  # new tokens of one round (cut at the token that completes a stop string)
+    drafted: int  # how many of them (the first ones) were draft tokens the target accepted
+    text: str  # the text these tokens made safe to show (held back while a stop string may be forming)
+    finish_reason: str | None = None  # on the last chunk: "stop" (EOS, stop string), "length" or "time"
 
 
 @dataclass
@@ -24,13 +39,24 @@ class Result:
     token_ids: list[int]
     text: str
     stats: GenerationStats
+    finish_reason: str
 
 
 class Engine:
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: Drafter | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        drafter: Drafter | None = None,
+        model_name: str | None = None,
+        profile: str | None = None,
+    ) -> None:
+        """`model_name`: what the model was loaded by (its shipped heads and profile go by it); `profile`: the
+        drafter profile of `make_drafter` (None: the model's own, `profiles.default_profile`)."""
         self.target = Target(model)
         self.tokenizer = tokenizer
         self.drafter = drafter or Drafter()
+        self.model_name, self.profile = model_name, profile
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -44,16 +70,23 @@ class Engine:
         dtype: str = "float32",
         drafter: str = "none",
         device: str = "cpu",
-        heads: str | None = None,
-        **options: int | str | None,
+        profile: str | None = None,
+        **options: Any,
     ) -> Engine:
-        """`options` for the drafter (None = its default): tree_budget, tree_depth, tree_top_k, draft_vocab,
-        draft_model, draft_layers (see `make_drafter`).
+        """Load `model` and build its default `drafter` (a spec such as `eagle+lookup`, `medusa:16`).
 
-        medusa and eagle load `heads`, or else the heads shipped for `model` (heads/trained/).
+        `options` go to the drafter (`heads=DIR`, `budget=`, `depth=` ...: `registry.option_names`);
+        `profile` None picks the model's own (`profiles.default_profile`).
         """
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
-        return cls(hf_model, tokenizer, make_drafter(drafter, hf_model, tokenizer, heads, model_name=model, **options))
+        engine = cls(hf_model, tokenizer, model_name=model, profile=profile)
+        engine.drafter = engine.make_drafter(drafter, **options)
+        return engine
+
+    def make_drafter(self, spec: str, **options: Any) -> Drafter:
+        """A new drafter for this engine's model and profile (`registry.make_drafter`)."""
+        return make_drafter(spec, self.target.model, self.tokenizer, model_name=self.model_name,
+                            profile=self.profile, **options)  # fmt: skip
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of `prompt`, as one user turn under the model's chat template unless `chat` is False."""
@@ -79,73 +112,52 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] = (),
         stats: GenerationStats | None = None,
-    ) -> Iterator[Chunk]:
-        """The decode loop's chunks, ending early once the generated text contains a stop string."""
-        generated: list[int] = []
-        for chunk in stream(self.target, prompt_ids, self.drafter, sampling, max_new_tokens, self.eos_ids, seed, stats):
-            if stop and _find_stop(self.tokenizer.decode(generated + chunk.tokens), stop) is not None:
-                for k in range(1, len(chunk.tokens) + 1):  # the first token that completes a stop string
-                    if _find_stop(self.tokenizer.decode(generated + chunk.tokens[:k]), stop) is not None:
-                        yield Chunk(chunk.tokens[:k], min(chunk.drafted, k))
-                        return
-            generated += chunk.tokens
-            yield chunk
+        drafter: Drafter | None = None,
+        deadline: float | None = None,
+    ) -> Iterator[TextChunk]:
+        """The decode loop's rounds as TextChunks; the last one carries the finish reason.
 
-    def stream_text(self, prompt_ids: list[int], stop: Sequence[str] = (), **kwargs) -> Iterator[str]:
-        """Text deltas as tokens are accepted; the text ends before a stop string, which is never shown."""
+        Ends at EOS, after `max_new_tokens`, at the token that completes a stop string (its text is never
+        shown), or ("time") at the first round that ends past `deadline` (a `time.perf_counter()` value).
+        `drafter` None: the engine's own.
+        """
         decoder = TextDecoder(self.tokenizer, stop)
-        for chunk in self.stream(prompt_ids, stop=stop, **kwargs):
-            if delta := decoder.push(chunk.tokens):
-                yield delta
-        if delta := decoder.finish():
-            yield delta
+        rounds = stream(self.target, prompt_ids, drafter or self.drafter, sampling, max_new_tokens, self.eos_ids,
+                        seed, stats)  # fmt: skip
+        finish = "length"
+        for chunk in rounds:
+            before = decoder.snapshot() if stop else decoder
+            text = decoder.push(chunk.tokens)
+            if decoder.stopped:  # cut at the first token that completes the stop string
+                decoder, text = before, ""
+                for k, token in enumerate(chunk.tokens, 1):
+                    text += decoder.push([token])
+                    if decoder.stopped:
+                        yield TextChunk(chunk.tokens[:k], min(chunk.drafted, k), text, "stop")
+                        return
+            if chunk.tokens and chunk.tokens[-1] in self.eos_ids:
+                finish = "stop"
+            yield TextChunk(chunk.tokens, chunk.drafted, text)
+            if finish == "length" and deadline is not None and time.perf_counter() > deadline:
+                finish = "time"
+                break
+        yield TextChunk([], 0, decoder.finish(), finish)
 
-    def generate(self, prompt: str | list[int], chat: bool = True, **kwargs) -> Result:
-        """Generate for a text prompt (or token ids); kwargs as for `stream`. The text ends before a stop string."""
+    def stream_text(self, prompt_ids: list[int], **kwargs: Any) -> Iterator[str]:
+        """Text deltas as tokens are accepted; kwargs as for `stream`."""
+        for chunk in self.stream(prompt_ids, **kwargs):
+            if chunk.text:
+                yield chunk.text
+
+    def generate(self, prompt: str | list[int], chat: bool = True, **kwargs: Any) -> Result:
+        """Generate for a text prompt (or token ids); kwargs as for `stream`."""
         prompt_ids = self.encode(prompt, chat) if isinstance(prompt, str) else prompt
         stats = kwargs.pop("stats", None) or GenerationStats()
-        token_ids = [t for chunk in self.stream(prompt_ids, stats=stats, **kwargs) for t in chunk.tokens]
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cut = _find_stop(text, kwargs.get("stop", ()))
-        return Result(token_ids, text[:cut] if cut is not None else text, stats)
-
-
-class TextDecoder:
-    """Incremental detokenisation: `push(tokens)` returns the text that is safe to show so far.
-
-    Text is held back while a stop string may still be forming or a UTF-8 sequence is incomplete;
-    the text ends before the first stop string. `finish()` returns what is left.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
-        self.text, self.emitted = "", 0
-        self.stopped = False  # a stop string was found
-
-    def push(self, tokens: list[int]) -> str:
-        self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = _find_stop(text, self.stop)
-        self.stopped = cut is not None
-        self.text = text if cut is None else text[:cut]
-        safe = len(self.text) if self.stopped else len(self.text) - self.hold
-        while safe > self.emitted and self.text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            safe -= 1
-        return self._emit(safe)
-
-    def finish(self) -> str:
-        return self._emit(len(self.text))
-
-    def _emit(self, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        delta, self.emitted = self.text[self.emitted : upto], upto
-        return delta
-
-
-def _find_stop(text: str, stop: Sequence[str]) -> int | None:
-    """Index of the earliest stop string in `text`, or None."""
-    hits = [i for s in stop if s and (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
+        token_ids: list[int] = []
+        texts: list[str] = []
+        finish = "length"
+        for chunk in self.stream(prompt_ids, stats=stats, **kwargs):
+            token_ids += chunk.tokens
+            texts.append(chunk.text)
+            finish = chunk.finish_reason or finish
+        return Result(token_ids, "".join(texts), stats, finish)

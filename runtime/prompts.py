@@ -7,6 +7,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# Spec-Bench's question.jsonl (hemingkx/Spec-Bench, data/spec_bench/question.jsonl) where a checkout keeps it.
+SPEC_BENCH = "../shared/data/eval/spec_bench.jsonl"
+
 
 @dataclass(frozen=True)
 class Prompt:

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from headstart.runtime.tree import DraftTree, tree_attention_inputs
 from transformers import DynamicCache, PreTrainedModel
-
-from runtime.tree import DraftTree, tree_attention_inputs
 
 
 @dataclass

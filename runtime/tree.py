@@ -19,8 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
-from runtime.sampling import SamplingParams, target_probs
+from headstart.runtime.sampling import SamplingParams, target_probs
 
 
 @dataclass

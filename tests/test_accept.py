@@ -22,11 +22,10 @@ from functools import cache
 
 import pytest
 import torch
-
-from runtime.accept import accept_path
-from runtime.sampling import Sampler, SamplingParams, target_probs
-from runtime.tree import DraftTree
-from tests.stats import chi_square_pvalue
+from headstart.runtime.accept import accept_path
+from headstart.runtime.sampling import Sampler, SamplingParams, target_probs
+from headstart.runtime.tree import DraftTree
+from helpers.stats import chi_square_pvalue
 
 V = 8
 PARENTS = [-1, -1, 0, 0]
@@ -193,7 +192,7 @@ def test_exact_sampled_proposals_with_grafted_point_masses():
     [a, b] (the target's likeliest root token, then its likeliest next) and [z] (the root's least
     likely token, outside top-k 6: never accepted) reuse a sampled node when one has the token, else
     add a point mass after the sampled siblings. All V^4 trees, each enumerated."""
-    from runtime.drafters.lookup import build_trie
+    from headstart.runtime.drafters.lookup import build_trie
 
     params = PARAMS[1]
     root = world_logits((), 0).argsort(descending=True).tolist()
@@ -260,7 +259,7 @@ def test_chi_square_sampled_rounds():
 def test_exact_on_a_medusa_shaped_tree(params):
     """The tree the Medusa drafter builds: shape chosen from per-rank accuracies (3 deep, 7 nodes),
     node (i_1, ..., i_d) holding the i_d-th guess of head d whatever its parent, as Medusa heads do."""
-    from runtime.tree import choose_tree_shape
+    from headstart.runtime.tree import choose_tree_shape
 
     shape = choose_tree_shape([[0.6, 0.3, 0.1], [0.5, 0.3], [0.5, 0.2]], budget=7)
     assert max(map(len, shape)) == 3 and len({p[:1] for p in shape}) >= 2  # siblings, depth 3
@@ -279,7 +278,7 @@ def test_exact_on_a_medusa_shaped_tree(params):
 def test_exact_on_an_eagle_shaped_tree(params):
     """A tree as the EAGLE drafter builds it: drafted by expanding the best paths depth by depth with
     the draft's own (parent-dependent) top-k, then reranked by cumulative log-probability to 6 nodes."""
-    from runtime.tree import rerank
+    from headstart.runtime.tree import rerank
 
     tokens, parents, scores = [], [], []
     frontier = [-1]

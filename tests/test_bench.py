@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from headstart.runtime import bench
+from headstart.runtime.engine import Engine
 
-from runtime import bench
-from runtime.cli import main
-from runtime.engine import Engine
+from headstart.cli import main
 
 
 def test_bench_records_and_tables(tiny_model_dir, tmp_path):
@@ -56,35 +56,32 @@ def test_bench_method_variants_layerskip_n(tiny_model_dir, tmp_path):
     methods = ["plain", "layerskip:1", "layerskip:2"]
     records = bench.run_bench(engine, str(prompts), methods, [0.0], max_new_tokens=8)
     assert [r.method for r in records] == methods and all(r.same_as_plain for r in records)
-    assert bench.method_drafter("layerskip:2", {"draft_layers": "1"}) == ("layerskip", {"draft_layers": "2"})
-    assert bench.method_drafter("model:runs/d", {}) == ("model", {"draft_model": "runs/d"})
-    assert bench.method_drafter("eagle:8", {}) == ("eagle", {"tree_budget": 8})
-    assert bench.method_drafter("eagle+lookup:8", {}) == ("eagle+lookup", {"tree_budget": 8})
+    assert bench.method_options(["layerskip:2", "plain"], {"draft_layers": "1", "depth": 3}) == {
+        "layerskip:2": {"draft_layers": "1", "depth": 3}, "plain": {}
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="no method of plain, lookup takes depth"):
+        bench.method_options(["plain", "lookup"], {"depth": 3})
 
 
 def test_bench_cli_tree_options_reach_the_drafters(tiny_model_dir, tmp_path, monkeypatch):
     """--tree-depth / --tree-top-k go to every drafter that takes them; the saved command shows them."""
-    import runtime.bench
-
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "1", "category": "a", "turns": ["the cat sat on the mat"]}) + "\n")
     built = []
-    make = runtime.bench.make_drafter
-    monkeypatch.setattr(runtime.bench, "make_drafter", lambda *a, **k: built.append((a[0], k)) or make(*a, **k))
+    make = Engine.make_drafter
+    monkeypatch.setattr(Engine, "make_drafter", lambda self, spec, **k: built.append((spec, k)) or make(self, spec, **k))
     argv = ["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods",
             "plain,lookup,layerskip:1", "--tree-depth", "3", "--tree-top-k", "2", "--max-new-tokens", "6",
             "--out", str(tmp_path / "out")]  # fmt: skip
     assert main(argv) == 0
-    assert [(name, k["tree_depth"], k["tree_top_k"]) for name, k in built] == [
-        ("none", 3, 2), ("lookup", 3, 2), ("layerskip", 3, 2)
-    ]  # fmt: skip
+    assert built[1:] == [("none", {}), ("lookup", {}), ("layerskip:1", {"depth": 3, "top_k": 2})]  # [0]: Engine.load
     saved = json.loads(next((tmp_path / "out").glob("bench-*.json")).read_text())
     assert "--tree-depth 3 --tree-top-k 2" in saved["meta"]["command"]
 
 
 def test_trained_drafters_default_to_the_shipped_heads(tiny_model_dir):
-    from heads.checkpoint import shipped_heads
-    from runtime.drafters import make_drafter
+    from headstart.heads.checkpoint import shipped_heads
+    from headstart.runtime.drafters.registry import make_drafter
 
     for kind in ("medusa", "eagle"):
         assert shipped_heads("smollm2-135m-instruct", kind) is not None

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from runtime.cli import main
+from headstart.cli import main
 
 
 def run_cli(capsys, *argv):
@@ -73,7 +73,7 @@ def test_json_output_from_the_console_script(tiny_model_dir, tmp_path):
         + "\n"
     )
     exe = shutil.which("headstart")
-    cmd = [exe] if exe else [sys.executable, "-m", "runtime.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "headstart.cli"]
     args = ["generate", "--model", str(tiny_model_dir), "--prompts-file", str(prompts), "--drafter", "lookup"]
     proc = subprocess.run(
         [*cmd, *args, "--json", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=120

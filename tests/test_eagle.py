@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import torch
-
-from runtime.drafters.eagle import EagleDrafter
-from runtime.drafters.graft import LookupGraft
-from runtime.target import Target
-from runtime.tree import rerank
-from tests.conftest import tiny_llama
-from tests.exactness import (
+from headstart.runtime.drafters.eagle import EagleDrafter
+from headstart.runtime.drafters.options import EagleOptions
+from headstart.runtime.drafters.graft import LookupGraft
+from headstart.runtime.target import Target
+from headstart.runtime.tree import rerank
+from helpers.exactness import (
     SAMPLING,
     assert_first_three_follow_target,
     assert_identity_with_trained_heads,
     random_heads,
     sampling_model,
 )
+from helpers.models import tiny_llama
 
 
 def test_rerank_keeps_the_best_paths_by_hand():
@@ -40,7 +40,7 @@ def test_drafted_features_equal_a_fresh_head_forward():
     """Tree attention inside the head: a drafted node's feature equals the head run on its path alone."""
     model = tiny_llama(vocab_size=64, init_std=0.2)
     head = random_heads("eagle", model, 0.1)
-    drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, depth=3, top_k=2, budget=50, min_prob=0)
+    drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, EagleOptions(depth=3, top_k=2, budget=50))
     prompt = [5, 9, 3, 17, 22, 8]
     target = Target(model)
     hidden = target.prefill(prompt[:-1])
@@ -69,7 +69,7 @@ def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):
         tmp_path,
         tiny_model_dir,
         "eagle",
-        [{}, {"tree_depth": 2, "tree_top_k": 1, "tree_budget": 2}, {"tree_depth": 6, "tree_budget": 40}],
+        [{}, {"depth": 2, "top_k": 1, "budget": 2}, {"depth": 6, "budget": 40}],
     )
 
 
@@ -88,7 +88,7 @@ def test_sampling_first_three_tokens_match_plain_sampling():
     a correct implementation fails with probability 0.1 % (fixed seeds make it reproducible)."""
     model = sampling_model()
     drafter = EagleDrafter(
-        random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, depth=3, top_k=3, budget=10
+        random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, EagleOptions(depth=3, top_k=3, budget=10)
     )
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter)
 
@@ -97,7 +97,7 @@ def sampled_tree_drafter(model) -> EagleDrafter:
     """A random head that samples a 6-node static tree, shaped by made-up per-rank accuracies."""
     heads = random_heads("eagle", model, 0.1)
     acc = [[0.5, 0.3], [0.4, 0.3], [0.5]]
-    return EagleDrafter(heads, model.model.embed_tokens, model.lm_head, sampled_budget=6, rank_accuracy=acc)
+    return EagleDrafter(heads, model.model.embed_tokens, model.lm_head, EagleOptions(sampled_budget=6), acc)
 
 
 def test_sampled_tree_first_three_tokens_match_plain_sampling():
@@ -124,14 +124,14 @@ def test_sampled_tree_with_lookup_grafted_on_matches_plain_sampling():
 
 
 def test_trained_heads_sample_their_tree_above_temperature_zero(tmp_path, tiny_model_dir):
-    from runtime.drafters import make_drafter
-    from runtime.models import load_model
-    from runtime.sampling import SamplingParams
-    from tests.exactness import train_tiny_heads
+    from headstart.runtime.drafters.registry import make_drafter
+    from headstart.runtime.models import load_model
+    from headstart.runtime.sampling import SamplingParams
+    from helpers.exactness import train_tiny_heads
 
     heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "eagle")
     model, tokenizer = load_model(str(tiny_model_dir))
-    drafter = make_drafter("eagle", model, tokenizer, str(heads_dir), tree_budget=5)
+    drafter = make_drafter("eagle", model, tokenizer, heads=str(heads_dir), budget=5)
     assert len(drafter.shape) == 5  # from the rank accuracies saved with the heads
     target = Target(model)
     prompt = [3, 4, 5, 6, 3, 4]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.lookup import LookupDrafter
+from headstart.runtime.drafters.options import LookupOptions
+from headstart.runtime.engine import Engine
+from headstart.runtime.target import Target
+from helpers.exactness import assert_first_three_follow_target, assert_greedy_identity, generate_ids, sampling_model
+from helpers.models import tiny_llama
 
-from runtime.drafters import Drafter
-from runtime.drafters.lookup import LookupDrafter
-from runtime.engine import Engine
-from runtime.target import Target
-from tests.conftest import tiny_llama
-from tests.exactness import assert_first_three_follow_target, assert_greedy_identity, generate_ids, sampling_model
-
-BUSY_LOOKUP = LookupDrafter(min_ngram=1, max_branches=3)  # drafts at almost every round: exercises the verifier
+BUSY_LOOKUP = LookupDrafter(LookupOptions(min_ngram=1, max_branches=3))  # drafts at almost every round: exercises the verifier
 
 PROMPTS = [
     [5, 9, 3, 17, 22, 8, 41, 3, 17, 22, 8],

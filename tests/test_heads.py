@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from heads.checkpoint import HeadsMismatchError, build_heads, load_heads, save_heads, target_fingerprint
-from heads.eagle import EagleHead
-from heads.medusa import MedusaHeads
-from tests.conftest import tiny_llama
+from headstart.heads.checkpoint import HeadsMismatchError, build_heads, load_heads, save_heads, target_fingerprint
+from headstart.heads.eagle import EagleHead
+from headstart.heads.medusa import MedusaHeads
+from helpers.models import tiny_llama
 
 
 @pytest.fixture(scope="module")

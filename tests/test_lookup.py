@@ -1,25 +1,25 @@
 """Prompt lookup: the branches it finds and the tree it builds, on hand-made contexts."""
 
 import torch
-
-from runtime.drafters import Drafter
-from runtime.drafters.graft import LookupGraft
-from runtime.drafters.lookup import LookupDrafter, build_trie
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.graft import LookupGraft
+from headstart.runtime.drafters.lookup import LookupDrafter, build_trie
+from headstart.runtime.drafters.options import LookupOptions
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.tree import DraftTree
 
 
 def test_longest_ngram_wins_and_recent_first():
     #            0  1  2  3  4  5  6  7  8  9 10 11
     context = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]  # suffix (2, 3) ... and (1, 2, 3) does not end the context
-    drafter = LookupDrafter(max_ngram=3, min_ngram=2, branch_len=3, max_branches=4)
+    drafter = LookupDrafter(LookupOptions(max_ngram=3, min_ngram=2, branch_len=3, max_branches=4))
     # 3-gram (5, 2, 3) never occurred before; 2-gram (2, 3) occurred at 1 and 5: most recent first
     assert drafter.find_branches(context) == [[8, 5, 2], [9, 1, 2]]
 
 
 def test_shorter_ngrams_fill_up_and_duplicates_merge():
     context = [4, 7, 1, 7, 1, 6, 7, 1]
-    drafter = LookupDrafter(max_ngram=2, min_ngram=1, branch_len=2, max_branches=3)
+    drafter = LookupDrafter(LookupOptions(max_ngram=2, min_ngram=1, branch_len=2, max_branches=3))
     # 2-gram (7, 1) at 1 and 3 -> [6, 7] (recent), [7, 1]; then 1-gram (1) at 2, 4 -> [6, 7] dup, [7, 1] dup
     assert drafter.find_branches(context) == [[6, 7], [7, 1]]
 
@@ -41,7 +41,7 @@ def test_trie_merges_shared_prefixes_under_budget():
 
 def test_propose_uses_trie():
     context = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
-    tree = LookupDrafter(max_ngram=2, min_ngram=2, branch_len=2).propose(context)
+    tree = LookupDrafter(LookupOptions(max_ngram=2, min_ngram=2, branch_len=2)).propose(context)
     # (1, 2) occurred at 4 -> [3, 5] and at 0 -> [3, 4]: shared first token
     assert tree.tokens == [3, 5, 4] and tree.parents == [-1, 0, 0]
 

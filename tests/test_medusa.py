@@ -6,17 +6,16 @@ import itertools
 
 import pytest
 import torch
-
-from heads.checkpoint import build_heads
-from runtime.drafters.medusa import MedusaDrafter
-from runtime.tree import choose_tree_shape, expected_acceptance_length
-from tests.conftest import tiny_llama
-from tests.exactness import (
+from headstart.heads.checkpoint import build_heads
+from headstart.runtime.drafters.medusa import MedusaDrafter
+from headstart.runtime.tree import choose_tree_shape, expected_acceptance_length
+from helpers.exactness import (
     assert_first_three_follow_target,
     assert_identity_with_trained_heads,
     random_heads,
     sampling_model,
 )
+from helpers.models import tiny_llama
 
 # rank_accuracy[d][i]: P(head d+1's i-th ranked guess is right)
 ACC = [[0.6, 0.2], [0.5, 0.1]]
@@ -57,7 +56,7 @@ def test_bad_shapes_are_refused():
 
 def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):
     assert_identity_with_trained_heads(
-        tmp_path, tiny_model_dir, "medusa", [{}, {"tree_budget": 4}, {"tree_budget": 24}]
+        tmp_path, tiny_model_dir, "medusa", [{}, {"budget": 4}, {"budget": 24}]
     )
 
 
@@ -85,7 +84,7 @@ def test_sampling_first_three_tokens_match_plain_sampling():
 
 def test_tree_is_sampled_above_temperature_zero_only():
     """Same shape at every temperature; point masses at T=0, drawn siblings with their q at T=1."""
-    from runtime.sampling import SamplingParams
+    from headstart.runtime.sampling import SamplingParams
 
     model = sampling_model(vocab=32)
     acc = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime.drafters import Drafter, make_drafter
-from runtime.drafters.model import ModelDrafter, TokenizerMismatchError, check_same_tokenizer, layerskip_model
-from runtime.sampling import SamplingParams
-from runtime.target import Target
-from runtime.tree import DraftTree, rerank
-from tests.conftest import tiny_llama, tiny_tokenizer
-from tests.exactness import assert_first_three_follow_target, assert_greedy_identity, generate_ids, sampling_model
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.options import TreeOptions
+from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.drafters.model import ModelDrafter, TokenizerMismatchError, check_same_tokenizer, layerskip_model
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.target import Target
+from headstart.runtime.tree import DraftTree, rerank
+from helpers.exactness import assert_first_three_follow_target, assert_greedy_identity, generate_ids, sampling_model
+from helpers.models import tiny_llama, tiny_tokenizer
 
 PROMPTS = [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
 
@@ -48,7 +49,7 @@ def test_drafted_chain_equals_the_draft_models_own_greedy_continuation(layers):
     """Across rounds (accepted prefixes cropped from its cache), every proposed chain is exactly the draft
     model's greedy continuation of the context, computed afresh without a cache."""
     model = tiny_llama(layers=3, init_std=0.3)
-    drafter = ModelDrafter.layerskip(model, layers, depth=3)
+    drafter = ModelDrafter.layerskip(model, layers, TreeOptions(depth=3))
     seen = []
 
     def fresh_greedy(context: list[int], n: int) -> list[int]:
@@ -72,7 +73,7 @@ def test_drafted_chain_equals_the_draft_models_own_greedy_continuation(layers):
 
 def test_greedy_identity_layerskip_and_draft_model():
     model = tiny_llama(layers=2, init_std=0.3)
-    for drafter in (ModelDrafter.layerskip(model, [0], depth=4), ModelDrafter(first_layer_copy(model))):
+    for drafter in (ModelDrafter.layerskip(model, [0], TreeOptions(depth=4)), ModelDrafter(first_layer_copy(model))):
         assert assert_greedy_identity(model, drafter, PROMPTS) > 0
 
 
@@ -85,15 +86,15 @@ def test_sampling_first_three_tokens_match_plain_sampling(kind):
     0.1 % (fixed seeds make the outcome reproducible)."""
     model = sampling_model()
     if kind == "layerskip":
-        drafter = ModelDrafter.layerskip(model, [0], depth=3)
+        drafter = ModelDrafter.layerskip(model, [0], TreeOptions(depth=3))
     else:
-        drafter = ModelDrafter(first_layer_copy(model), depth=3)
+        drafter = ModelDrafter(first_layer_copy(model), TreeOptions(depth=3))
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter, runs=1000 if kind == "layerskip" else 600)
 
 
 def test_sampled_drafts_carry_their_q():
     model = sampling_model()
-    drafter = ModelDrafter.layerskip(model, [0], depth=3)
+    drafter = ModelDrafter.layerskip(model, [0], TreeOptions(depth=3))
     drafter.start([1, 2, 3], None, SamplingParams(0.8, top_p=0.9), seed=0)
     tree = drafter.propose([1, 2, 3])
     assert tree.parents == [-1, 0, 1] and tree.draft_probs.shape == (3, model.config.vocab_size)
@@ -134,7 +135,7 @@ def test_drafted_tree_equals_the_naive_dynamic_tree(layers):
     """Tree mode, across rounds of a real generation: every proposed tree equals the one built with a fresh
     uncached forward per expanded path (so the tree mask, positions and cache crops are right)."""
     model = tiny_llama(layers=3, init_std=0.3)
-    drafter = ModelDrafter.layerskip(model, layers, depth=3, top_k=3, budget=8)
+    drafter = ModelDrafter.layerskip(model, layers, TreeOptions(depth=3, top_k=3, budget=8))
     seen = []
 
     class Spy(Drafter):
@@ -156,8 +157,8 @@ def test_drafted_tree_equals_the_naive_dynamic_tree(layers):
 def test_greedy_identity_draft_trees():
     model = tiny_llama(layers=2, init_std=0.3)
     for drafter in (
-        ModelDrafter.layerskip(model, [0], depth=4, top_k=3, budget=10),
-        ModelDrafter(first_layer_copy(model), depth=3, top_k=2, budget=6),
+        ModelDrafter.layerskip(model, [0], TreeOptions(depth=4, top_k=3, budget=10)),
+        ModelDrafter(first_layer_copy(model), TreeOptions(depth=3, top_k=2, budget=6)),
     ):
         assert assert_greedy_identity(model, drafter, PROMPTS) > 0
 
@@ -166,7 +167,7 @@ def test_sampling_with_draft_trees_follows_plain_sampling():
     """Tree mode at T=0.8 / top-p 0.9: point-mass nodes, the first 3 tokens keep the target's distribution
     (400 runs; fails when the chi-square p-value is below 1e-3, probability 0.1 % for a correct one)."""
     model = sampling_model()
-    drafter = ModelDrafter.layerskip(model, [0], depth=3, top_k=2, budget=6)
+    drafter = ModelDrafter.layerskip(model, [0], TreeOptions(depth=3, top_k=2, budget=6))
     assert_first_three_follow_target(model, [1, 2, 3, 4, 5], drafter, runs=400)
 
 
@@ -178,7 +179,7 @@ def test_tokenizer_mismatch_is_refused_naming_both(tiny_model_dir, tmp_path):
                        r"big-a \(\d+ vs \d+ tokens\)"):  # fmt: skip
         check_same_tokenizer(tok, other, "big-a", "small-b")
     # same size, one token string differs
-    from runtime.models import load_model
+    from headstart.runtime.models import load_model
 
     model, tokenizer = load_model(str(tiny_model_dir))
     draft_dir = tmp_path / "draft"
@@ -196,13 +197,13 @@ def test_tokenizer_mismatch_is_refused_naming_both(tiny_model_dir, tmp_path):
 
 
 def test_model_drafter_from_a_saved_directory(tiny_model_dir, tmp_path):
-    from runtime.models import load_model
+    from headstart.runtime.models import load_model
 
     model, tokenizer = load_model(str(tiny_model_dir))
     draft_dir = tmp_path / "draft"
     layerskip_model(model, [0]).save_pretrained(draft_dir)
     tokenizer.save_pretrained(draft_dir)
-    drafter = make_drafter("model", model, tokenizer, draft_model=str(draft_dir), tree_depth=3)
+    drafter = make_drafter("model", model, tokenizer, draft_model=str(draft_dir), depth=3)
     assert isinstance(drafter, ModelDrafter) and drafter.depth == 3
     model.generation_config.eos_token_id = None
     assert assert_greedy_identity(model, drafter, PROMPTS) > 0
@@ -211,7 +212,7 @@ def test_model_drafter_from_a_saved_directory(tiny_model_dir, tmp_path):
             make_drafter("layerskip", model, tokenizer, **bad)
     with pytest.raises(ValueError, match="--draft-model"):
         make_drafter("model", model, tokenizer)
-    tree = make_drafter("layerskip", model, tokenizer, draft_layers=1, tree_top_k=3, tree_budget=8)
+    tree = make_drafter("layerskip", model, tokenizer, draft_layers=1, top_k=3, budget=8)
     assert (tree.top_k, tree.budget, tree.depth) == (3, 8, 4)  # depth: the chain's default
-    with pytest.raises(ValueError, match="top_k and budget must be >= 1"):
-        make_drafter("layerskip", model, tokenizer, draft_layers=1, tree_top_k=0)
+    with pytest.raises(ValueError, match="must be >= 1: top_k=0"):
+        make_drafter("layerskip", model, tokenizer, draft_layers=1, top_k=0)

@@ -2,7 +2,7 @@
 
 import os
 
-from runtime.models import _converted_dir
+from headstart.runtime.models import _converted_dir
 
 
 def test_cache_entry_is_keyed_by_content(tmp_path, monkeypatch):

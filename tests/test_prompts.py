@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from runtime.bench import SPEC_BENCH_GROUPS
-from runtime.prompts import load_prompts
+from headstart.runtime.bench import SPEC_BENCH_GROUPS
+from headstart.runtime.prompts import load_prompts
 
 
 def test_grouped_categories_are_limited_in_turn(tmp_path):

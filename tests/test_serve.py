@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
+from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.engine import Engine
+from headstart.runtime.models import load_model
+from headstart.runtime.server.app import ServeConfig, build_app
 from openai import OpenAI
 
-from runtime.cli import main
-from runtime.drafters import make_drafter
-from runtime.engine import Engine
-from runtime.models import load_model
-from runtime.server.app import ServeConfig, build_app
+from headstart.cli import main
 
 NAME = "tiny"
 PROMPTS = ["the cat sat on", "a dog ran far", "one two three", "red blue green and", "then it was good"]
@@ -302,7 +302,7 @@ def test_speculation_steps_aside_when_the_queue_fills(tiny_model_dir):
 
 
 def test_acceptance_gate_backs_off_and_probes_again():
-    from runtime.drafters.gate import AcceptanceGate
+    from headstart.runtime.drafters.gate import AcceptanceGate
 
     gate = AcceptanceGate(min_acceptance=1.5, window=4, backoff=3)
     for tokens in (1, 2, 1, 1):  # mean 1.25 < 1.5 over a full window

@@ -8,8 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import ACCELERATE_LAUNCH
+from helpers.models import ACCELERATE_LAUNCH
 
 pytestmark = pytest.mark.model  # the tiny target uses the embedded SmolLM2 tokenizer
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runtime.drafters import DRAFT_VOCAB, MEDUSA_BUDGET, make_drafter
-from runtime.engine import Engine
-from runtime.prompts import load_prompts
+from headstart.runtime.profiles import PROFILES
+from headstart.runtime.engine import Engine
+from headstart.runtime.prompts import load_prompts
 
 pytestmark = pytest.mark.model
 
@@ -42,39 +41,39 @@ _GENERATE: dict[tuple[int, ...], list[int]] = {}
 def assert_identity(engine: Engine, drafter, prompts, max_new_tokens: int = 64) -> int:
     """`drafter` gives the tokens of the model's own greedy `generate` on every prompt; returns drafts accepted."""
     model = engine.target.model
-    engine.drafter = drafter
     accepted = 0
     for prompt in prompts:
         ids = engine.encode(prompt.text)
         if tuple(ids) not in _GENERATE:  # the reference, computed once per prompt for all drafters
             out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens)
             _GENERATE[tuple(ids)] = out[0, len(ids) :].tolist()
-        result = engine.generate(ids, max_new_tokens=max_new_tokens)
+        result = engine.generate(ids, max_new_tokens=max_new_tokens, drafter=drafter)
         assert result.token_ids == _GENERATE[tuple(ids)], f"{drafter.name} differs on {prompt.category}/{prompt.id}"
         accepted += sum(result.stats.accepted_per_depth)
     return accepted
 
 
 def test_greedy_identity_on_spec_bench(engine, prompts):
-    assert assert_identity(engine, make_drafter("none"), prompts) == 0
-    assert assert_identity(engine, make_drafter("lookup"), prompts) > 0
+    assert assert_identity(engine, engine.make_drafter("none"), prompts) == 0
+    assert assert_identity(engine, engine.make_drafter("lookup"), prompts) > 0
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_greedy_identity_with_shipped_heads(engine, kind):
     """The heads shipped in heads/trained, 10 Spec-Bench prompts x 64 tokens, fp32."""
     heads = SHIPPED / f"smollm2-135m-instruct-{kind}"
-    drafter = make_drafter(kind, engine.target.model, engine.tokenizer, str(heads))
+    drafter = engine.make_drafter(kind, heads=str(heads))  # with the embedded model's profile
     trained = json.loads((heads / "config.json").read_text())["options"]["draft_vocab"]
-    assert drafter.readout.size == min(trained, DRAFT_VOCAB)  # by default a prefix of the draft vocabulary
+    profile = PROFILES["smollm2-135m-cpu"][kind]
+    assert drafter.readout.size == min(trained, profile["draft_vocab"])  # a prefix of the draft vocabulary
     if kind == "medusa":  # the default tree, chosen from the saved per-rank accuracies
-        assert len(drafter.shape) == MEDUSA_BUDGET
+        assert len(drafter.shape) == profile["budget"]
     assert assert_identity(engine, drafter, spec_bench(2)) > 0
 
 
 def test_demo_with_shipped_heads_is_identical(capsys):
     """`headstart demo` (the README's first command), shortened: every answer identical to plain decoding."""
-    from runtime.cli import main
+    from headstart.cli import main
 
     assert main(["demo", "--max-new-tokens", "32"]) == 0  # the default drafter: eagle+lookup
     out = capsys.readouterr().out
@@ -85,13 +84,13 @@ def test_demo_with_shipped_heads_is_identical(capsys):
 def test_greedy_identity_with_layerskip_and_a_draft_model(engine, prompts, kind, tmp_path):
     """5 Spec-Bench prompts x 64 tokens, fp32: the target's first 10 layers drafting, as a view of the
     target (layerskip) or saved as a model directory of its own and loaded back (model)."""
-    from runtime.drafters.model import layerskip_model
+    from headstart.runtime.drafters.model import layerskip_model
 
     model, tokenizer = engine.target.model, engine.tokenizer
     if kind == "model":
         layerskip_model(model, list(range(10))).save_pretrained(tmp_path / "draft")
         tokenizer.save_pretrained(tmp_path / "draft")
-        engine.drafter = make_drafter("model", model, tokenizer, draft_model=str(tmp_path / "draft"))
+        drafter = engine.make_drafter("model", draft_model=str(tmp_path / "draft"))
     else:
-        engine.drafter = make_drafter("layerskip", model, tokenizer, draft_layers=10)
-    assert assert_identity(engine, engine.drafter, prompts) > 0
+        drafter = engine.make_drafter("layerskip", draft_layers=10)
+    assert assert_identity(engine, drafter, prompts) > 0

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-
-from runtime.target import Target
-from runtime.tree import DraftTree
-from tests.conftest import tiny_llama
+from headstart.runtime.target import Target
+from headstart.runtime.tree import DraftTree
+from helpers.models import tiny_llama
 
 PROMPT = [5, 9, 3, 17, 22, 8, 41, 3, 17]
 # root r; r -> 7 -> 12 -> 30 ; r -> 7 -> 19 ; r -> 44 -> 2

@@ -3,46 +3,21 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from headstart.heads.checkpoint import load_heads
+from headstart.runtime.prompts import load_prompts
+from headstart.train import heads as train_heads
+from headstart.train.config import ConfigError, load_config
+from headstart.train.data import Row, collate, make_batches
+from headstart.train.distill import derived_prompts, distill
+from headstart.train.losses import eagle_unroll, head_metrics, medusa_labels, unroll_mask
+from helpers.models import ACCELERATE_LAUNCH, WORDS
+from helpers.pinned import fixed_batch_losses, load_pinned
+from helpers.training import make_cfg, write_shards
 from safetensors.torch import load_file
-
-from heads.checkpoint import load_heads
-from runtime.prompts import load_prompts
-from tests.conftest import ACCELERATE_LAUNCH, WORDS
-from train import heads as train_heads
-from train.config import ConfigError, load_config
-from train.data import Row, collate, make_batches
-from train.distill import derived_prompts, distill
-from train.losses import eagle_unroll, head_metrics, medusa_labels, unroll_mask
-
-
-def write_shards(path, n_rows=40, seed=0):
-    """Synthetic distilled rows: a prompt then a response drawn from a small repeating pattern."""
-    rng = random.Random(seed)
-    vocab = len(WORDS)
-    path.mkdir(parents=True, exist_ok=True)
-    with (path / "shard-00000.jsonl").open("w") as f:
-        for i in range(n_rows):
-            prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 8))]
-            start = rng.randrange(3, vocab - 6)
-            response = [start + (j % 5) for j in range(rng.randrange(8, 20))]
-            f.write(json.dumps({"id": str(i), "category": "x", "prompt_ids": prompt, "response_ids": response}) + "\n")
-
-
-def make_cfg(tmp_path, model_dir, kind="medusa", **extra):
-    data = tmp_path / "data"
-    if not data.exists():
-        write_shards(data)
-    overrides = [
-        f"target.model={model_dir}", f"heads.kind={kind}", f"data.path={data}", "data.eval_rows=8",
-        "data.batch_tokens=128", "optim.max_steps=6", "optim.warmup_steps=2", "optim.lr=0.01",
-        "log_every=1", "eval_every=3", "save_every=3", f"output_dir={tmp_path / 'out'}", "heads.num_heads=3",
-    ]  # fmt: skip
-    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
 
 
 def test_medusa_label_shift_by_hand():
@@ -83,10 +58,9 @@ def test_unroll_mask_drawn_out():
 def test_unroll_matches_drafting_step_by_step():
     """out_k[s] of eagle_unroll = the head run as the drafter runs it: true pairs up to the root
     r = s - k + 1 in its cache, then one call per step on its own previous output."""
+    from headstart.heads.checkpoint import build_heads
+    from helpers.models import tiny_llama
     from transformers import DynamicCache
-
-    from heads.checkpoint import build_heads
-    from tests.conftest import tiny_llama
 
     model = tiny_llama(vocab_size=64)
     torch.manual_seed(0)
@@ -153,7 +127,7 @@ def test_training_reduces_loss_and_saves_heads(tmp_path, tiny_model_dir, kind):
     losses = [x["train/loss"] for x in lines]
     assert losses[-1] < losses[0]
     assert {"head_1/top1", "head_1/top5", "head_1/acceptance", "acceptance_length"} <= set(metrics)
-    from runtime.models import load_model
+    from headstart.runtime.models import load_model
 
     model, tok = load_model(str(tiny_model_dir))
     _, config = load_heads(tmp_path / "out" / "heads", model, tok)
@@ -188,8 +162,7 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
 
 def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_model_dir):
     from accelerate import Accelerator
-
-    from train.data import load_rows
+    from headstart.train.data import load_rows
 
     train_heads.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle", **{"heads.draft_vocab": 8}))
     trained = tmp_path / "a" / "out" / "heads"
@@ -216,7 +189,7 @@ def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_mod
 
 
 def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys):
-    from runtime.models import load_model
+    from headstart.runtime.models import load_model
 
     prompts_file = tmp_path / "prompts.jsonl"
     rows = [{"id": f"p{i}", "turns": [f"the cat {i % 3}"], "permissive": i % 4 != 0} for i in range(12)]
@@ -255,7 +228,7 @@ def _rows_in_two_shards(path: Path, rows: list[dict], split: int) -> None:
 
 
 def test_summary_prompts_over_earlier_answers(tmp_path):
-    from tests.conftest import tiny_tokenizer
+    from helpers.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     long = [WORDS.index("cat"), WORDS.index("sat")] * 40  # 80 tokens: long enough to summarise
@@ -309,46 +282,16 @@ def test_translation_prompts_over_earlier_answers(tmp_path):
     assert from_german.text.endswith("Die Katze sitzt auf der mat und ist")  # its first line only
 
 
-PINNED = {  # five AdamW steps on one fixed batch; recompute only for a deliberate change of the loss
-    "medusa": [22.465492, 18.995012, 15.653320, 12.370611, 9.235425],
-    "eagle": [0.930449, 0.706618, 0.572322, 0.480472, 0.415322],
-    "eagle-unroll3": [0.879992, 0.746211, 0.660301, 0.619212, 0.537920],
-}
+PINNED = load_pinned()
 
 
 @pytest.mark.parametrize("kind", list(PINNED))
 def test_fixed_batch_losses_are_pinned(kind):
-    from heads.checkpoint import build_heads
-    from tests.conftest import tiny_llama
-    from train.losses import eagle_loss, medusa_loss
-
-    model = tiny_llama(vocab_size=64, init_std=0.2)
-    torch.manual_seed(0)
-    kind, _, unroll = kind.partition("-unroll")
-    heads = build_heads(kind, model)
-    if kind == "medusa":
-        for p in heads.parameters():  # zero-initialised blocks would make every head equal at step 0
-            p.data.normal_(0, 0.02)
-    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[:, :3] = False
-    with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True)
-    hidden = out.hidden_states[-1]
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(5):
-        if kind == "medusa":
-            loss = medusa_loss(heads, hidden, model.lm_head, ids, mask, heads.num_heads)
-        else:
-            embed, lm_head = model.model.embed_tokens, model.lm_head
-            loss, _ = eagle_loss(heads, hidden, embed, lm_head, ids, mask, unroll=int(unroll or 1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    """Five AdamW steps on one fixed batch; regenerate tests/pinned_losses.json only for a deliberate change of
+    the loss (`make pinned`)."""
+    losses = fixed_batch_losses(kind)
     assert losses[-1] < losses[0]
-    assert losses == pytest.approx(PINNED[kind + (f"-unroll{unroll}" if unroll else "")], rel=1e-4)
+    assert losses == pytest.approx(PINNED[kind], rel=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -405,7 +348,7 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
 
 
 def test_report_png(tmp_path, capsys):
-    from runtime.cli import main
+    from headstart.cli import main
 
     for name, slope in (("a", 0.1), ("b", 0.2)):
         run = tmp_path / name
@@ -434,8 +377,8 @@ def test_every_checked_in_config_loads_and_shows_its_launch_command():
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     """data.features: the cached target features train exactly like running the target every step."""
-    from train.data import load_rows
-    from train.features import CHUNK, FeatureCache
+    from headstart.train.data import load_rows
+    from headstart.train.features import CHUNK, FeatureCache
 
     live = make_cfg(tmp_path, tiny_model_dir, kind)
     cached = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features")})

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from runtime.tree import DraftTree, TreeGrower, tree_attention_inputs
+from headstart.runtime.tree import DraftTree, TreeGrower, tree_attention_inputs
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -78,8 +77,8 @@ def test_malformed_trees_are_refused(tokens, parents):
 
 
 def test_shape_sampler_draws_siblings_without_replacement_and_records_q():
-    from runtime.sampling import SamplingParams, target_probs
-    from runtime.tree import ShapeSampler
+    from headstart.runtime.sampling import SamplingParams, target_probs
+    from headstart.runtime.tree import ShapeSampler
 
     #        root
     #      /      \
@@ -111,8 +110,8 @@ def test_shape_sampler_draws_siblings_without_replacement_and_records_q():
 
 
 def test_shape_sampler_stops_when_q_runs_out():
-    from runtime.sampling import SamplingParams
-    from runtime.tree import ShapeSampler
+    from headstart.runtime.sampling import SamplingParams
+    from headstart.runtime.tree import ShapeSampler
 
     grow = ShapeSampler([(0,), (1,), (2,)], SamplingParams(temperature=1.0, top_k=2), 5, torch.Generator())
     grow.add_children([-1], torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]))

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
-from heads.vocab import DraftReadout, frequent_tokens
-from tests.conftest import tiny_llama
+from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
+from headstart.heads.vocab import DraftReadout, frequent_tokens
+from helpers.models import tiny_llama
 
 
 def test_frequent_tokens_by_hand():

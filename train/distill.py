@@ -23,11 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from headstart.runtime.prompts import Prompt
+from headstart.train.config import ensure_writable_dir
 from tqdm import tqdm
-
-from runtime.prompts import Prompt
-from train.config import ensure_writable_dir
 
 
 def _repair_and_read_done(out: Path) -> set[str]:
@@ -146,7 +144,6 @@ def _batches(prompts: list[Prompt], size: int) -> Iterator[list[Prompt]]:
         yield prompts[i : i + size]
 
 
-@torch.inference_mode()
 def distill(
     model,
     tokenizer,
@@ -159,6 +156,8 @@ def distill(
     seed: int = 0,
 ) -> dict:
     """Answer every prompt not answered yet; returns throughput figures."""
+    import torch  # here, not at the top: `headstart --help` reads DERIVED without loading torch
+
     out = ensure_writable_dir(out)
     done = _repair_and_read_done(out)
     todo = [p for p in prompts if p.id not in done]

@@ -27,12 +27,12 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script by `accelerate launch train/heads.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
-from heads.vocab import frequent_tokens
-from train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
-from train.data import Row, collate, load_rows, make_batches, split_rows
-from train.features import FeatureCache, final_features
-from train.losses import eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
+from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
+from headstart.heads.vocab import frequent_tokens
+from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
+from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
+from headstart.train.features import FeatureCache, final_features
+from headstart.train.losses import eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
 
 EVAL_TOPK = 5
 RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
@@ -40,12 +40,11 @@ RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
 
 def load_target(cfg: TrainConfig):
     """(frozen model, tokenizer). `tiny` = a 2-layer random Llama over the SmolLM2 tokenizer's vocabulary."""
-    from runtime.models import DEFAULT_MODEL, load_model
+    from headstart.runtime.models import DEFAULT_MODEL, load_model
 
     if cfg.target.model == "tiny":
+        from headstart.runtime.models import resolve_model_dir
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        from runtime.models import resolve_model_dir
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
         torch.manual_seed(cfg.seed)
@@ -367,8 +366,8 @@ def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
     if not cfg.data.distill_prompts or any(Path(cfg.data.path).glob("shard-*.jsonl")):
         return
     if accelerator.is_main_process:
-        from runtime.prompts import load_prompts
-        from train.distill import distill
+        from headstart.runtime.prompts import load_prompts
+        from headstart.train.distill import distill
 
         prompts = load_prompts(
             cfg.data.distill_prompts, permissive_only=True, limit=cfg.data.distill_limit, skip_malformed=True

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from headstart.heads.eagle import EagleHead
+from headstart.runtime.tree import additive_mask
 from torch import nn
-
-from heads.eagle import EagleHead
-from runtime.tree import additive_mask
 
 
 def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,13 +24,13 @@ which tokens are proposed.
 from __future__ import annotations
 
 import torch
+from headstart.heads.eagle import EagleHead
+from headstart.runtime.drafters.base import SamplingDrafter
+from headstart.runtime.drafters.options import EagleOptions
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
 from torch import nn
 from transformers import DynamicCache
-
-from heads.eagle import EagleHead
-from runtime.drafters import SamplingDrafter
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
 
 
 class EagleDrafter(SamplingDrafter):
@@ -41,27 +41,20 @@ class EagleDrafter(SamplingDrafter):
         head: EagleHead,
         embed: nn.Module,
         lm_head: nn.Module,
-        depth: int = 5,
-        top_k: int = 4,
-        budget: int = 12,  # tuned on held-out prompts, 2-core CPU (README: Drafters)
-        min_prob: float = 0.1,  # stop expanding below this path probability (README: Drafters)
-        sampled_budget: int = 8,  # nodes of the tree sampled at T > 0, tuned as `budget`
+        options: EagleOptions | None = None,
         rank_accuracy: list[list[float]] | None = None,
-        draft_vocab: int | None = None,
     ) -> None:
         """`rank_accuracy` (the head's measured per-depth, per-rank accuracies) gives the static tree of
-        `sampled_budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used at every
-        temperature. `draft_vocab` reads out only that many of the head's most frequent draft tokens.
-        The dynamic tree grows no deeper once its likeliest frontier path is less likely than `min_prob`."""
-        if min(depth, top_k, budget, sampled_budget) < 1:
-            raise ValueError(f"depth, top_k and budgets must be >= 1, got {depth}, {top_k}, {budget}, {sampled_budget}")
-        if not 0 <= min_prob < 1:
-            raise ValueError(f"min_prob must be in [0, 1), got {min_prob}")
+        `options.sampled_budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used
+        at every temperature. `options.draft_vocab` reads out only that many of the head's most frequent
+        draft tokens. The dynamic tree grows no deeper once its likeliest frontier path is less likely
+        than `options.min_prob`."""
+        o = options or EagleOptions()
         super().__init__(lm_head.weight.device)
-        self.head, self.embed, self.readout = head, embed, head.readout(lm_head, draft_vocab)
+        self.head, self.embed, self.readout = head, embed, head.readout(lm_head, o.draft_vocab)
         self.vocab_size = lm_head.weight.shape[0]
-        self.depth, self.top_k, self.budget, self.min_prob = depth, top_k, budget, min_prob
-        self.shape = choose_tree_shape(rank_accuracy, sampled_budget) if rank_accuracy else None
+        self.depth, self.top_k, self.budget, self.min_prob = o.depth, o.top_k, o.budget, o.min_prob
+        self.shape = choose_tree_shape(rank_accuracy, o.sampled_budget) if rank_accuracy else None
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
 

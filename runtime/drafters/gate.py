@@ -15,10 +15,9 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-
-from runtime.drafters import Drafter
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.tree import DraftTree
 
 
 class AcceptanceGate:

@@ -15,19 +15,18 @@ long as the proposals do not depend on the target's draws: lookup reads only the
 from __future__ import annotations
 
 import torch
-
-from runtime.drafters import Drafter
-from runtime.drafters.lookup import LookupDrafter, build_trie
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.lookup import LookupDrafter, build_trie
+from headstart.runtime.drafters.options import GraftOptions
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.tree import DraftTree
 
 
 class LookupGraft(Drafter):
-    def __init__(self, inner: Drafter, lookup: LookupDrafter | None = None, budget: int = 8) -> None:
-        """`budget`: the most nodes the lookup branches add to `inner`'s tree (README: Drafter defaults)."""
-        if budget < 1:
-            raise ValueError(f"the graft budget must be >= 1, got {budget}")
-        self.inner, self.lookup, self.budget = inner, lookup or LookupDrafter(), budget
+    def __init__(self, inner: Drafter, lookup: LookupDrafter | None = None, budget: int | None = None) -> None:
+        """`budget`: the most nodes the lookup branches add to `inner`'s tree (None: `GraftOptions`' default)."""
+        self.budget = GraftOptions(*([] if budget is None else [budget])).graft_budget  # validated there
+        self.inner, self.lookup = inner, lookup or LookupDrafter()
         self.name = f"{inner.name}+lookup"
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):

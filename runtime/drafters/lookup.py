@@ -7,38 +7,27 @@ prefix are merged into one tree. Every node is a deterministic guess (a point-ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.options import LookupOptions
+from headstart.runtime.tree import DraftTree
 
-from runtime.drafters import Drafter
-from runtime.tree import DraftTree
 
-
-@dataclass
 class LookupDrafter(Drafter):
-    max_ngram: int = 3  # longest suffix n-gram searched
-    min_ngram: int = 2  # shortest tried when longer ones find nothing (1-grams match noise)
-    branch_len: int = 8  # tokens copied after a match
-    max_branches: int = 2  # distinct continuations kept, most recent match first
-    budget: int = 16  # most nodes in the tree (README: why these defaults)
-
     name = "lookup"
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if min(self.branch_len, self.max_branches, self.budget) < 1:
-            raise ValueError("branch_len, max_branches and budget must be >= 1")
+    def __init__(self, options: LookupOptions | None = None) -> None:
+        self.options = options or LookupOptions()
 
     def propose(self, context: list[int]) -> DraftTree:
-        return build_trie(self.find_branches(context), self.budget)
+        return build_trie(self.find_branches(context), self.options.budget)
 
     def find_branches(self, context: list[int]) -> list[list[int]]:
         """Continuations of earlier occurrences of the context's last n-gram, longest n-gram first."""
+        o = self.options
         ctx = torch.tensor(context)
         branches: list[list[int]] = []
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+        for n in range(o.max_ngram, o.min_ngram - 1, -1):
             if len(ctx) <= n:
                 continue
             # Windows that end before the last token: the suffix itself never matches, and every
@@ -46,10 +35,10 @@ class LookupDrafter(Drafter):
             windows = ctx[:-1].unfold(0, n, 1)  # (L-n, n)
             starts = (windows == ctx[-n:]).all(1).nonzero().flatten().tolist()
             for start in reversed(starts):
-                branch = context[start + n : start + n + self.branch_len]
+                branch = context[start + n : start + n + o.branch_len]
                 if branch not in branches:
                     branches.append(branch)
-                    if len(branches) == self.max_branches:
+                    if len(branches) == o.max_branches:
                         return branches
         return branches
 

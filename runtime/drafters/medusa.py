@@ -14,12 +14,11 @@ Heads trained with a reduced draft vocabulary score only its tokens (`heads.voca
 from __future__ import annotations
 
 import torch
+from headstart.heads.medusa import MedusaHeads
+from headstart.runtime.drafters.base import SamplingDrafter
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.tree import DraftTree, ShapeSampler, choose_tree_shape
 from torch import nn
-
-from heads.medusa import MedusaHeads
-from runtime.drafters import SamplingDrafter
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree, ShapeSampler, choose_tree_shape
 
 
 class MedusaDrafter(SamplingDrafter):

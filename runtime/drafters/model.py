@@ -24,12 +24,12 @@ import copy
 import itertools
 
 import torch
+from headstart.runtime.drafters.base import SamplingDrafter
+from headstart.runtime.drafters.options import TreeOptions
+from headstart.runtime.sampling import SamplingParams, target_probs
+from headstart.runtime.tree import DraftTree, TreeGrower, additive_mask
 from torch import nn
 from transformers import DynamicCache
-
-from runtime.drafters import SamplingDrafter
-from runtime.sampling import SamplingParams, target_probs
-from runtime.tree import DraftTree, TreeGrower, additive_mask
 
 
 class TokenizerMismatchError(ValueError):
@@ -94,26 +94,23 @@ class ModelDrafter(SamplingDrafter):
     def __init__(
         self,
         model: nn.Module,
-        depth: int = 4,
-        top_k: int = 1,
-        budget: int = 16,
+        options: TreeOptions | None = None,
         vocab_size: int | None = None,
         layers: list[int] | None = None,
     ) -> None:
         """top_k = 1: a chain of `depth`; > 1: a tree of at most `budget` nodes. `layers`: the original
         indices of a layer-skip view's layers (`layerskip_model`), None for a real model."""
-        if min(depth, top_k, budget) < 1:
-            raise ValueError(f"draft depth, top_k and budget must be >= 1, got {depth}, {top_k}, {budget}")
+        o = options or TreeOptions()
         super().__init__(model.device)
-        self.model, self.depth, self.top_k, self.budget, self.layers = model, depth, top_k, budget, layers
+        self.model, self.depth, self.top_k, self.budget, self.layers = model, o.depth, o.top_k, o.budget, layers
         self.vocab_size = vocab_size or model.config.vocab_size  # the target's V: q rows have this length
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self._reset()
 
     @classmethod
-    def layerskip(cls, target: nn.Module, layers: list[int], **options) -> ModelDrafter:
+    def layerskip(cls, target: nn.Module, layers: list[int], options: TreeOptions | None = None) -> ModelDrafter:
         """Draft with the target's own decoder `layers` (increasing, from layer 0), norm and lm_head."""
-        drafter = cls(layerskip_model(target, layers), layers=layers, **options)
+        drafter = cls(layerskip_model(target, layers), options, layers=layers)
         drafter.name = "layerskip"
         return drafter
 

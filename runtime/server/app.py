@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
-from runtime.server.metrics import ServerMetrics
-from runtime.server.schema import (
+from headstart.runtime.engine import Engine
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.server.metrics import ServerMetrics
+from headstart.runtime.server.schema import (
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -27,7 +25,8 @@ from runtime.server.schema import (
     now,
     usage,
 )
-from runtime.server.worker import Job, QueueFullError, Worker
+from headstart.runtime.server.worker import Job, QueueFullError, Worker
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 @dataclass

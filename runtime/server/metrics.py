@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from headstart.runtime.generate import GenerationStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from runtime.generate import GenerationStats
 
 
 class ServerMetrics:

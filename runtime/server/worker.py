@@ -13,11 +13,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from runtime.drafters.gate import AcceptanceGate, GatedDrafter
-from runtime.engine import Engine, TextDecoder
-from runtime.generate import GenerationStats
-from runtime.sampling import SamplingParams
-from runtime.server.metrics import ServerMetrics
+from headstart.runtime.drafters.gate import AcceptanceGate, GatedDrafter
+from headstart.runtime.engine import Engine
+from headstart.runtime.generate import GenerationStats
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.server.metrics import ServerMetrics
 
 
 class QueueFullError(Exception):
@@ -61,7 +61,7 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         gate = AcceptanceGate(min_acceptance) if min_acceptance else None
         speculate = (lambda: self.jobs.qsize() <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
-        engine.drafter = GatedDrafter(engine.drafter, speculate, gate)  # the worker's engine: not shared
+        self.drafter = GatedDrafter(engine.drafter, speculate, gate)
         self.thread = threading.Thread(target=self._run, name="headstart-worker", daemon=True)
 
     def start(self) -> None:
@@ -96,25 +96,17 @@ class Worker:
 
     def _generate(self, job: Job) -> str:
         """Run the decode loop for `job`, sending text deltas; returns the finish reason."""
-        decoder = TextDecoder(self.engine.tokenizer, job.stop)
         deadline = time.perf_counter() + self.time_limit_s
-        last = None
-        for chunk in self.engine.stream(
-            job.prompt_ids, job.sampling, job.max_tokens, job.seed, job.stop, stats=job.stats
-        ):
-            if job.first_token_s is None:
+        finish = "length"
+        for chunk in self.engine.stream(job.prompt_ids, job.sampling, job.max_tokens, job.seed, job.stop,
+                                        stats=job.stats, drafter=self.drafter, deadline=deadline):  # fmt: skip
+            if job.first_token_s is None and chunk.tokens:
                 job.first_token_s = time.perf_counter() - job.arrived
                 self.metrics.ttft.observe(job.first_token_s)
-            last = chunk.tokens[-1] if chunk.tokens else last
-            if delta := decoder.push(chunk.tokens):
-                job.send("delta", delta)
+            if chunk.text:
+                job.send("delta", chunk.text)
             if job.cancelled.is_set():
                 return "cancelled"
-            if time.perf_counter() > deadline:
-                job.timed_out = True
-                break
-        if delta := decoder.finish():
-            job.send("delta", delta)
-        if decoder.stopped or last in self.engine.eos_ids:
-            return "stop"
-        return "length"
+            finish = chunk.finish_reason or finish
+        job.timed_out = finish == "time"
+        return "length" if job.timed_out else finish

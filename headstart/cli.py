@@ -1,21 +1,28 @@
-"""The `headstart` command (generate, bench, distill, report, serve, demo); a user error gets one line, exit 2."""
+"""The `headstart` command (generate, bench, distill, report, serve, loadtest, demo): the composition root.
+
+This is the one module that imports every part (heads, runtime, train). At the top it imports only what
+the parser needs, so `headstart --help` loads no torch; each subcommand imports its own needs.
+A user error gets one line and exit 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 from collections.abc import Sequence
 
-from runtime.bench import METHODS
-from runtime.demo import DEFAULT_DRAFTER
-from runtime.drafters import DRAFT_VOCAB, DRAFTERS, GRAFTED, MEDUSA_BUDGET
-from runtime.drafters.eagle import EagleDrafter
-from runtime.models import DEFAULT_MODEL, DTYPES
-from runtime.prompts import Prompt, load_prompts
-from runtime.sampling import SamplingParams
-from train.distill import DERIVED
+from headstart import __version__
+from headstart.runtime.demo import DEFAULT_DRAFTER
+from headstart.runtime.drafters.registry import names, option_names, parse_spec
+from headstart.runtime.models import DEFAULT_MODEL, DTYPES
+from headstart.runtime.profiles import PROFILES
+from headstart.runtime.prompts import SPEC_BENCH, Prompt, load_prompts
+from headstart.train.distill import DERIVED
+
+# CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
+FLAGS = {"heads": "--heads", "budget": "--tree-budget", "depth": "--tree-depth", "top_k": "--tree-top-k",
+         "draft_vocab": "--draft-vocab", "draft_model": "--draft-model", "draft_layers": "--draft-layers"}  # fmt: skip
 
 
 class UserError(Exception):
@@ -30,24 +37,35 @@ class _Parser(argparse.ArgumentParser):
 def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
     p.add_argument("--dtype", default=dtype, choices=list(DTYPES))
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
 
 
-def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    eagle = {k: v.default for k, v in inspect.signature(EagleDrafter).parameters.items()}  # its defaults, read
-    p.add_argument("--drafter", default="none", choices=DRAFTERS + GRAFTED,
-                   help="eagle+lookup etc.: lookup branches grafted onto the drafter's tree")  # fmt: skip
-    p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help=f"nodes per tree (default: medusa {MEDUSA_BUDGET}, eagle {eagle['budget']} at T = 0 and "
-                   f"{eagle['sampled_budget']} above, others 16)")  # fmt: skip
-    p.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
-    p.add_argument("--tree-top-k", type=int, default=None,
-                   help="eagle, model, layerskip: nodes expanded and children per node (model, layerskip: 1 = a chain, "
-                   "the default)")  # fmt: skip
-    _add_draft_vocab_arg(p)
+def _add_profile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None, choices=list(PROFILES),
+                   help=f"drafter defaults tuned for a model and machine (default: the model's own; {DEFAULT_MODEL} "
+                   "uses smollm2-135m-cpu, other models neutral; docs/tuning.md)")  # fmt: skip
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-depth", type=_at_least_one, default=None, help="eagle, model, layerskip: drafting depth")
+    p.add_argument("--tree-top-k", type=_at_least_one, default=None,
+                   help="eagle, model, layerskip: nodes expanded per depth and children per node (model, layerskip: "
+                   "1 = a chain, their default)")  # fmt: skip
+    p.add_argument("--draft-vocab", type=_at_least_one, default=None, metavar="N",
+                   help="medusa, eagle: read out only the N most frequent tokens of the draft vocabulary")  # fmt: skip
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
+
+
+def _add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None:
+    p.add_argument("--drafter", default=default, metavar="SPEC",
+                   help=f"{', '.join(names())}; NAME:VALUE sets its first option (medusa:16, layerskip:8); "
+                   f"+lookup grafts prompt-lookup branches onto the tree (default {default})")  # fmt: skip
+    p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
+    p.add_argument("--tree-budget", type=_at_least_one, default=None,
+                   help="nodes per tree (default: the drafter's, from the profile)")  # fmt: skip
+    _add_tree_args(p)
+    _add_profile_arg(p)
 
 
 def _at_least_one(text: str) -> int:
@@ -60,23 +78,35 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def _add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-vocab", type=_at_least_one, default=None, metavar="N",
-                   help="medusa, eagle: read out only the N most frequent tokens of the heads' draft vocabulary "
-                   f"(default {DRAFT_VOCAB})")  # fmt: skip
+def _drafter_options(args: argparse.Namespace, spec: str) -> dict:
+    """The drafter flags given on the command line, as options of `spec`; a flag it does not take is an error."""
+    options = {key: getattr(args, flag[2:].replace("-", "_"), None) for key, flag in FLAGS.items()}
+    options = {k: v for k, v in options.items() if v is not None}
+    refused = [FLAGS[k] for k in options if k not in option_names(spec)]
+    if refused:
+        raise UserError(f"--drafter {spec} does not take {', '.join(refused)}")
+    return options
 
 
 def _load_engine(args: argparse.Namespace):
-    from runtime.engine import Engine
+    from headstart.runtime.engine import Engine
 
-    options = {"tree_budget": args.tree_budget, "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k,
-               "draft_model": args.draft_model, "draft_layers": args.draft_layers,
-               "draft_vocab": args.draft_vocab}  # fmt: skip
-    return Engine.load(args.model, args.dtype, args.drafter, args.device, args.heads, **options)
+    options = _drafter_options(args, args.drafter)  # checked before the model loads
+    return Engine.load(args.model, args.dtype, args.drafter, args.device, args.profile, **options)
+
+
+def _sampling(temperature: float, top_k: int = 0, top_p: float = 1.0):
+    from headstart.runtime.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature, top_k, top_p)
+    except ValueError as e:
+        raise UserError(str(e).replace("top_", "--top-").replace("temperature", "--temperature")) from e
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="headstart", description="Exact self-speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"headstart {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text for one prompt or a prompt file")
@@ -96,20 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
     _add_model_args(b, "bfloat16")
-    b.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
-    b.add_argument(
-        "--methods",
-        default="plain,hf,lookup",
-        help="comma list of " + ",".join(METHODS) + " (variants: layerskip:N, model:PATH, medusa:B, eagle:B; "
-        "B = tree budget; eagle+lookup etc.: lookup branches grafted on)",
-    )
+    b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
+    b.add_argument("--methods", default="plain,hf,lookup",
+                   help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
+                   f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH")  # fmt: skip
     b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
-    b.add_argument("--draft-layers", default=None, help="layerskip: N first layers or a list 0,1,2,5")
-    b.add_argument("--draft-model", default=None, help="model: the draft model")
-    _add_draft_vocab_arg(b)
-    b.add_argument("--tree-depth", type=int, default=None, help="eagle, model, layerskip: drafting depth")
-    b.add_argument("--tree-top-k", type=int, default=None, help="eagle, model, layerskip: nodes expanded per depth")
+    _add_tree_args(b)
+    _add_profile_arg(b)
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
     b.add_argument("--categories", default=None, help="comma list (default: all six; mt_bench = the 8 of MT-bench)")
     b.add_argument("--limit-per-category", type=int, default=None)
@@ -152,18 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--clients", default="1,4,16", help="comma list of concurrency levels")
     lt.add_argument("--requests-per-client", type=int, default=2)
     lt.add_argument("--max-tokens", type=int, default=64)
-    lt.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench in ../shared/data)")
+    lt.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
     lt.add_argument("--out", default=None, help="also write the results as JSON here")
 
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument(
-        "--drafter",
-        default=DEFAULT_DRAFTER,
-        choices=["lookup", "medusa", "eagle", "medusa+lookup", "eagle+lookup"],
-        help="speculative side: lookup or the heads shipped for --model (+lookup: both in one tree)",
-    )
+    d.add_argument("--drafter", default=DEFAULT_DRAFTER, metavar="SPEC",
+                   help=f"the speculative side: {', '.join(names())} (trained ones use the heads shipped for "
+                   f"--model; default {DEFAULT_DRAFTER})")  # fmt: skip
+    _add_profile_arg(d)
     return parser
 
 
@@ -177,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "distill":
             return cmd_distill(args)
         if args.command == "report":
-            from train.report import draw_report
+            from headstart.train.report import draw_report
 
             print(draw_report(args.runs, args.out))
             return 0
@@ -186,9 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "loadtest":
             return cmd_loadtest(args)
         if args.command == "demo":
-            from runtime.demo import run_demo
+            from headstart.runtime.demo import run_demo
 
-            return run_demo(args.model, args.dtype, args.device, args.max_new_tokens, args.drafter)
+            parse_spec(args.drafter)
+            return run_demo(args.model, args.dtype, args.device, args.max_new_tokens, args.drafter, args.profile)
     except (UserError, ValueError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)
         return 2
@@ -205,10 +228,7 @@ def _check_lengths(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_lengths(args)
-    try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        raise UserError(str(e).replace("top_", "--top-").replace("temperature", "--temperature")) from e
+    sampling = _sampling(args.temperature, args.top_k, args.top_p)
     if args.prompt is not None:
         if not args.prompt.strip():
             raise UserError("empty --prompt")
@@ -216,7 +236,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompts = load_prompts(args.prompts_file)
 
-    from runtime.generate import GenerationStats
+    from headstart.runtime.generate import GenerationStats
 
     engine = _load_engine(args)
     for prompt in prompts:
@@ -245,7 +265,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from runtime.server.app import ServeConfig, build_app
+    from headstart.runtime.server.app import ServeConfig, build_app
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -269,8 +289,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from runtime import bench
-    from runtime.server import loadtest
+    from headstart.runtime.server import loadtest
 
     try:
         levels = [int(c) for c in args.clients.split(",")]
@@ -278,7 +297,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         raise UserError(f"--clients takes a comma list of integers: {e}") from e
     if min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
-    prompts = [p.text for p in load_prompts(args.prompts or bench.DEFAULT_PROMPTS)]
+    prompts = [p.text for p in load_prompts(_bench_prompts(args.prompts))]
     try:
         health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
     except (httpx.HTTPError, ValueError) as e:
@@ -292,11 +311,11 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from runtime.models import load_model
-    from train.distill import derived_prompts, distill
+    from headstart.runtime.models import load_model
+    from headstart.train.distill import derived_prompts, distill
 
     _check_lengths(args)
-    SamplingParams(args.temperature)
+    _sampling(args.temperature)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--batch-size and --limit must be >= 1")
     if args.derive is None:
@@ -315,14 +334,30 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_prompts(path: str | None) -> str:
+    """The prompt file of bench and loadtest: `path`, else Spec-Bench where a checkout keeps it."""
+    from pathlib import Path
+
+    if path is not None:
+        if not Path(path).is_file():
+            raise UserError(f"prompts file not found: {path}")
+        return path
+    if not Path(SPEC_BENCH).is_file():
+        raise UserError(
+            f"no --prompts and no Spec-Bench at {SPEC_BENCH}: get question.jsonl from "
+            "https://github.com/hemingkx/Spec-Bench (data/spec_bench/question.jsonl) and pass --prompts FILE"
+        )
+    return SPEC_BENCH
+
+
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     import platform
     from pathlib import Path
 
     import torch
 
-    from runtime import bench
-    from runtime.engine import Engine
+    from headstart.runtime import bench
+    from headstart.runtime.engine import Engine
 
     _check_lengths(args)
     try:
@@ -330,21 +365,19 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as e:
         raise UserError(f"--temperature takes a comma list of numbers: {e}") from e
     for t in temperatures:
-        SamplingParams(t)
+        _sampling(t)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise UserError("--limit-per-category must be >= 1")
-    prompts = args.prompts or bench.DEFAULT_PROMPTS
-    if not Path(prompts).is_file():
-        raise UserError(f"prompts file not found: {prompts} (pass --prompts FILE)")
+    prompts = _bench_prompts(args.prompts)
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    engine = Engine.load(args.model, args.dtype, "none", args.device)
-    heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
-    records = bench.run_bench(
-        engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category, categories, args.seed,
-        heads, args.model, draft_layers=args.draft_layers, draft_model=args.draft_model,
-        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, draft_vocab=args.draft_vocab,
-    )  # fmt: skip
+    options = {key: getattr(args, flag[2:].replace("-", "_"), None) for key, flag in FLAGS.items()
+               if key not in ("heads", "budget")}  # fmt: skip
+    options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
+    bench.method_options(methods, options)  # every method and option checked before the model loads
+    engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile)
+    records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,
+                              categories, args.seed, **options)  # fmt: skip
     table = bench.summarize(records)
     machine = (
         f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "

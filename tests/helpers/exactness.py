@@ -6,13 +6,13 @@ from __future__ import annotations
 import itertools
 
 import torch
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.generate import GenerationStats, stream
+from headstart.runtime.sampling import SamplingParams, target_probs
+from headstart.runtime.target import Target
 
-from runtime.drafters import Drafter
-from runtime.generate import GenerationStats, stream
-from runtime.sampling import SamplingParams, target_probs
-from runtime.target import Target
-from tests.conftest import tiny_llama
-from tests.stats import chi_square_pvalue
+from helpers.models import tiny_llama
+from helpers.stats import chi_square_pvalue
 
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9)
 
@@ -78,8 +78,9 @@ def assert_first_three_follow_target(
 
 def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10, **overrides):
     """Heads trained for a few steps on synthetic distilled rows; returns the heads directory."""
-    from tests.test_train import make_cfg
-    from train import heads as train_heads
+    from headstart.train import heads as train_heads
+
+    from helpers.training import make_cfg
 
     train_heads.run(make_cfg(tmp_path, model_dir, kind, **{"optim.max_steps": steps, **overrides}))
     return tmp_path / "out" / "heads"
@@ -87,7 +88,7 @@ def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10, **override
 
 def random_heads(kind: str, model, std: float, seed: int = 0, **options):
     """Heads with random (untrained) weights: exactness must not depend on the heads' quality."""
-    from heads.checkpoint import build_heads
+    from headstart.heads.checkpoint import build_heads
 
     torch.manual_seed(seed)
     heads = build_heads(kind, model, **options)
@@ -101,13 +102,13 @@ def assert_identity_with_trained_heads(
 ) -> None:
     """Heads trained for a few steps on the tiny model in `model_dir`: greedy identity for each tree setting
     of the `drafter` that uses them (default: `kind`)."""
-    from runtime.drafters import make_drafter
-    from runtime.models import load_model
+    from headstart.runtime.drafters.registry import make_drafter
+    from headstart.runtime.models import load_model
 
     heads_dir = train_tiny_heads(tmp_path, model_dir, kind, **overrides)
     model, tokenizer = load_model(str(model_dir))
     model.generation_config.eos_token_id = None
     prompts = [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
     for tree in trees:
-        decoder = make_drafter(drafter or kind, model, tokenizer, str(heads_dir), **tree)
+        decoder = make_drafter(drafter or kind, model, tokenizer, heads=str(heads_dir), **tree)
         assert assert_greedy_identity(model, decoder, prompts) > 0, f"no draft accepted with {tree}"

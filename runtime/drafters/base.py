@@ -1,0 +1,55 @@
+"""The drafter interface: everything that proposes a DraftTree for the one verifier.
+
+A drafter sees the sequence (prompt + accepted tokens, the root last) and returns a tree of guesses
+for what follows the root. It is told what the target accepted after every round, so drafters that
+keep state (EAGLE features, a draft model's cache) can stay in sync; stateless ones ignore it.
+A drafter serves one sequence at a time: build one per concurrent decode (`registry.make_drafter`).
+"""
+
+from __future__ import annotations
+
+import torch
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.tree import DraftTree
+
+
+class Drafter:
+    """Base class: proposes nothing (plain decoding)."""
+
+    name = "none"
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        prompt_hidden: torch.Tensor | None,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """A new sequence begins; `prompt_hidden` (len-1, H) are the target's features of all but the root.
+
+        `sampling` and `seed` are the decode's: drafters that sample their guesses use them.
+        """
+
+    def propose(self, context: list[int]) -> DraftTree:
+        """A tree of guesses for the tokens after `context[-1]`."""
+        return DraftTree()
+
+    def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        """The target accepted `path` of `tree` (its features `hidden`, (n+1, H)) and chose `next_token`."""
+
+
+class SamplingDrafter(Drafter):
+    """Base of the drafters that sample their guesses at T > 0: the decode's sampling parameters and a
+    random stream of their own."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.sampling = SamplingParams()
+        self.generator = torch.Generator(device=device)
+
+    def start_sampling(self, sampling: SamplingParams | None, seed: int | None) -> None:
+        """Take the decode's `sampling`; seed the stream from its `seed` (+1: not the verifier's stream)."""
+        self.sampling = sampling or SamplingParams()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed + 1)

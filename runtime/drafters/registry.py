@@ -1,0 +1,250 @@
+"""The drafter registry: every drafter by name, its options dataclass, and the one parser of method specs.
+
+A spec is a registered name, optionally `+lookup`, optionally `:VALUE` for the drafter's one
+positional option:
+
+    none  lookup  medusa  eagle  model:PATH  layerskip:N  medusa:16  eagle+lookup  eagle+lookup:12
+
+`NAME+lookup` grafts prompt-lookup branches onto NAME's tree (`graft.LookupGraft`); its options are
+NAME's, the lookup's n-gram options and `graft_budget`. Option values come, in order of precedence,
+from the caller, the spec's positional value, the profile (`headstart.runtime.profiles`) and the
+options dataclass (`options`). An option the drafter does not take is an error that names it.
+Builders import their modules when called: reading this table loads no model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from headstart.runtime import profiles
+from headstart.runtime.drafters.options import (
+    EagleOptions,
+    GraftOptions,
+    LayerskipOptions,
+    LookupOptions,
+    MedusaOptions,
+    ModelOptions,
+    NoOptions,
+)
+
+if TYPE_CHECKING:
+    from headstart.runtime.drafters.base import Drafter
+
+GRAFT_SUFFIX = "+lookup"
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a builder may need: the target model, its tokenizer, and the name it was loaded by."""
+
+    model: Any = None
+    tokenizer: Any = None
+    model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    options: type  # the options dataclass
+    build: Callable[[Any, Context], Drafter]
+    summary: str
+    positional: str | None = None  # the option `NAME:VALUE` sets
+    graftable: bool = True  # NAME+lookup exists
+    also_sets: dict[str, str] = dataclasses.field(default_factory=dict)  # an option set by the caller sets these too
+
+
+def _none(options: NoOptions, ctx: Context) -> Drafter:
+    from headstart.runtime.drafters.base import Drafter
+
+    return Drafter()
+
+
+def _lookup(options: LookupOptions, ctx: Context) -> Drafter:
+    from headstart.runtime.drafters.lookup import LookupDrafter
+
+    return LookupDrafter(options)
+
+
+def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
+    """(module, config) of the heads `options.heads`, else of those shipped for `ctx.model_name`."""
+    from headstart.heads.checkpoint import load_heads, shipped_heads
+
+    heads = options.heads
+    if heads is None and ctx.model_name is not None:
+        heads = shipped_heads(ctx.model_name, kind)
+    if heads is None or ctx.model is None:
+        shipped = f": none are shipped for {ctx.model_name}" if ctx.model_name else ""
+        raise ValueError(f"the {kind} drafter needs trained heads (--heads DIR){shipped}")
+    module, config = load_heads(heads, ctx.model, ctx.tokenizer)
+    if config["kind"] != kind:
+        raise ValueError(f"{heads} holds {config['kind']} heads, not {kind} heads")
+    return module, config
+
+
+def _medusa(options: MedusaOptions, ctx: Context) -> Drafter:
+    from headstart.runtime.drafters.medusa import MedusaDrafter
+    from headstart.runtime.tree import choose_tree_shape
+
+    module, config = _trained("medusa", options, ctx)
+    shape = choose_tree_shape(config["rank_accuracy"], options.budget)
+    return MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, options.draft_vocab)
+
+
+def _eagle(options: EagleOptions, ctx: Context) -> Drafter:
+    from headstart.runtime.drafters.eagle import EagleDrafter
+
+    module, config = _trained("eagle", options, ctx)
+    embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
+    return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.get("rank_accuracy"))
+
+
+def _model(options: ModelOptions, ctx: Context) -> Drafter:
+    from headstart.runtime.drafters.model import ModelDrafter, check_same_tokenizer
+    from headstart.runtime.models import load_model
+
+    if ctx.model is None:
+        raise ValueError("the model drafter needs the target model")
+    if options.draft_model is None:
+        raise ValueError("the model drafter needs draft_model (--draft-model PATH_OR_NAME, or model:PATH)")
+    draft, draft_tokenizer = load_model(options.draft_model, dtype=ctx.model.dtype, device=str(ctx.model.device))
+    check_same_tokenizer(ctx.tokenizer, draft_tokenizer, ctx.model_name or "the target", options.draft_model)
+    return ModelDrafter(draft, options, vocab_size=ctx.model.config.vocab_size)
+
+
+def _layerskip(options: LayerskipOptions, ctx: Context) -> Drafter:
+    from headstart.runtime.drafters.model import ModelDrafter
+
+    if ctx.model is None:
+        raise ValueError("the layerskip drafter needs the target model")
+    return ModelDrafter.layerskip(ctx.model, options.layers(), options)
+
+
+REGISTRY: dict[str, Entry] = {
+    "none": Entry(NoOptions, _none, "plain decoding: one target forward per token", graftable=False),
+    "lookup": Entry(LookupOptions, _lookup, "prompt lookup: copy what followed the last n-gram", graftable=False),
+    "medusa": Entry(MedusaOptions, _medusa, "trained Medusa heads, a static tree", positional="budget"),
+    "eagle": Entry(
+        EagleOptions,
+        _eagle,
+        "a trained EAGLE head, a dynamic tree",
+        positional="budget",
+        also_sets={"budget": "sampled_budget"},
+    ),  # a budget the user sets holds at every temperature
+    "model": Entry(ModelOptions, _model, "a small draft model with the same tokenizer", positional="draft_model"),
+    "layerskip": Entry(LayerskipOptions, _layerskip, "the target's first layers", positional="draft_layers"),
+}
+
+
+def names() -> list[str]:
+    """Every drafter name a spec may start with, grafted ones included."""
+    return [*REGISTRY, *(n + GRAFT_SUFFIX for n, e in REGISTRY.items() if e.graftable)]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    base: str  # a REGISTRY name
+    graft: bool = False  # base+lookup
+    value: Any = None  # the positional option's value, as its field's type
+
+    @property
+    def name(self) -> str:
+        return self.base + (GRAFT_SUFFIX if self.graft else "")
+
+
+def parse_spec(text: str) -> DrafterSpec:
+    """`eagle+lookup:12` -> DrafterSpec('eagle', graft=True, value='12'); unknown names are an error."""
+    name, colon, value = text.strip().partition(":")
+    base = name.removesuffix(GRAFT_SUFFIX)
+    entry = REGISTRY.get(base)
+    if entry is None or (name != base and not entry.graftable):
+        raise ValueError(f"unknown drafter '{text}': choose from {', '.join(names())}")
+    if colon and entry.positional is None:
+        raise ValueError(f"'{text}': the {base} drafter takes no ':' value")
+    if colon and not value:
+        raise ValueError(f"'{text}': give a value after ':' ({entry.positional})")
+    if not colon:
+        return DrafterSpec(base, name != base)
+    return DrafterSpec(base, name != base, _coerce(value, _fields(entry.options)[entry.positional], text))
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def option_names(spec: str | DrafterSpec) -> list[str]:
+    """The options a drafter spec takes."""
+    spec = parse_spec(spec) if isinstance(spec, str) else spec
+    keys = list(_fields(REGISTRY[spec.base].options))
+    if spec.graft:
+        keys += [k for k in _fields(LookupOptions) if k != "budget" and k not in keys] + list(_fields(GraftOptions))
+    return keys
+
+
+def _coerce(value: str, field: dataclasses.Field, where: str) -> Any:
+    """A positional value (a string) as the field's type."""
+    if "str" in field.type:
+        return value
+    number = float if field.type.startswith("float") else int
+    try:
+        return number(value)
+    except ValueError:
+        raise ValueError(f"'{where}': {field.name} takes a number, got {value!r}") from None
+
+
+def resolve(spec: str | DrafterSpec, profile: str | None = None, **options: Any) -> dict[str, Any]:
+    """The options objects of a spec: {'inner': ..., 'lookup': ..., 'graft': ...} (the last two when grafted).
+
+    `options` with value None are left to the profile and the defaults.
+    """
+    spec = parse_spec(spec) if isinstance(spec, str) else spec
+    entry = REGISTRY[spec.base]
+    given = {k: v for k, v in options.items() if v is not None}
+    unknown = [k for k in given if k not in option_names(spec)]
+    if unknown:
+        raise ValueError(
+            f"the {spec.name} drafter takes no option {', '.join(repr(k) for k in unknown)} "
+            f"(it takes: {', '.join(option_names(spec)) or 'none'})"
+        )
+    if spec.value is not None:
+        given.setdefault(entry.positional, spec.value)
+    for source, target in entry.also_sets.items():
+        if source in given:
+            given.setdefault(target, given[source])
+    values = {**profiles.options(profile, spec.base), **given}
+    groups = {"inner": entry.options}
+    if spec.graft:
+        groups.update(lookup=LookupOptions, graft=GraftOptions)
+    resolved = {}
+    for group, cls in groups.items():
+        keys = _fields(cls) if group == "inner" else [k for k in _fields(cls) if k != "budget" or group != "lookup"]
+        resolved[group] = cls(**{k: v for k, v in values.items() if k in keys})
+        values = {k: v for k, v in values.items() if k not in keys}
+    return resolved
+
+
+def make_drafter(
+    spec: str | DrafterSpec,
+    model: Any = None,
+    tokenizer: Any = None,
+    *,
+    model_name: str | None = None,
+    profile: str | None = None,
+    **options: Any,
+) -> Drafter:
+    """Build the drafter `spec` names for `model`; trained drafters load `heads=DIR`, else the heads shipped
+    for `model_name` (an embedded model's name). `profile` None: the profile of `model_name`
+    (`profiles.default_profile`); pass "neutral" for the library defaults alone."""
+    spec = parse_spec(spec) if isinstance(spec, str) else spec
+    if profile is None:
+        profile = profiles.default_profile(model_name)
+    resolved = resolve(spec, profile, **options)
+    ctx = Context(model, tokenizer, model_name)
+    drafter = REGISTRY[spec.base].build(resolved["inner"], ctx)
+    if not spec.graft:
+        return drafter
+    from headstart.runtime.drafters.graft import LookupGraft
+    from headstart.runtime.drafters.lookup import LookupDrafter
+
+    return LookupGraft(drafter, LookupDrafter(resolved["lookup"]), resolved["graft"].graft_budget)

@@ -1,0 +1,1 @@
+"""Test helpers: tiny models, exactness checks, statistics, training set-ups, pinned losses."""
