@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench pinned clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ test: install
 
 bench: install
 	$(BIN)/headstart bench --categories summarization,rag --limit-per-category 10 --methods plain,hf,hf-lookup,lookup
+
+# after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
+pinned: install
+	cd tests && ../$(BIN)/python -m helpers.pinned
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

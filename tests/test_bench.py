@@ -69,7 +69,9 @@ def test_bench_cli_tree_options_reach_the_drafters(tiny_model_dir, tmp_path, mon
     prompts.write_text(json.dumps({"id": "1", "category": "a", "turns": ["the cat sat on the mat"]}) + "\n")
     built = []
     make = Engine.make_drafter
-    monkeypatch.setattr(Engine, "make_drafter", lambda self, spec, **k: built.append((spec, k)) or make(self, spec, **k))
+    monkeypatch.setattr(
+        Engine, "make_drafter", lambda self, spec, **k: built.append((spec, k)) or make(self, spec, **k)
+    )
     argv = ["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods",
             "plain,lookup,layerskip:1", "--tree-depth", "3", "--tree-top-k", "2", "--max-new-tokens", "6",
             "--out", str(tmp_path / "out")]  # fmt: skip

@@ -1,9 +1,8 @@
 """The frozen target's final features for every distilled row, computed once and kept on disk.
 
 The heads learn from the target's final features (after its final norm), which never change while
-the heads train. Running the target for them is most of a training step (SmolLM2-135M, bf16, 2-core
-CPU: 2.3 of 2.9 s for an EAGLE step of 2,048 tokens), so `data.features: DIR` computes them once and
-every further epoch costs only the heads.
+the heads train. Running the target for them is most of a training step (docs/training.md), so
+`data.features: DIR` computes them once and every further epoch costs only the heads.
 
 Rows are cached in chunks of CHUNK rows, one safetensors file each, written atomically: an
 interrupted pass resumes at its first missing chunk. Each chunk also stores its rows' token ids and

@@ -22,17 +22,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-
-if __package__ in (None, ""):  # run as a script by `accelerate launch train/heads.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
 from headstart.heads.vocab import frequent_tokens
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
 from headstart.train.features import FeatureCache, final_features
 from headstart.train.losses import eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
+from torch import nn
 
 EVAL_TOPK = 5
 RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
@@ -46,7 +42,7 @@ def load_target(cfg: TrainConfig):
         from headstart.runtime.models import resolve_model_dir
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL), local_files_only=True)
         torch.manual_seed(cfg.seed)
         config = LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -73,11 +73,11 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, init_std: float = 0.02, laye
     return model
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Whitespace word-level tokenizer over WORDS with a one-line chat template."""
+def tiny_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
+    """Whitespace word-level tokenizer over `words` (<unk>, <eos>, <bos> first) with a one-line chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
     tokenizer.chat_template = (
