@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from headstart.runtime.tree import DraftTree, tree_attention_inputs
+from headstart.runtime.attention import AttentionLayout
+from headstart.runtime.tree import DraftTree, tree_visibility
 from transformers import DynamicCache, PreTrainedModel
 
 
@@ -29,7 +30,8 @@ class Target:
         self.device = model.device
         self.dtype = model.dtype
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-        self.cache = DynamicCache(config=model.config)
+        self.layout = AttentionLayout(model.config)
+        self.cache = DynamicCache()  # full on every layer, sliding-window ones too (runtime/attention.py)
 
     @property
     def past_len(self) -> int:
@@ -42,7 +44,7 @@ class Target:
 
         Returns their final hidden states (len, H), or None when there are none.
         """
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache()
         if not token_ids:
             return None
         ids = torch.tensor([token_ids], device=self.device)
@@ -55,8 +57,11 @@ class Target:
         past = self.past_len
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)  # (1, n+1)
         if len(tree):
-            mask, positions = tree_attention_inputs(tree, past, self.dtype, self.device)
-        else:  # plain decoding step: a single query attends to everything, no mask needed
+            allowed, positions = tree_visibility(tree, past)  # (n+1, past+n+1), (n+1,)
+            keys = torch.cat([torch.arange(past), positions])
+            mask = self.layout.masks(allowed, positions, keys, self.dtype, self.device)
+            positions = positions[None].to(self.device)
+        else:  # plain decoding step: one query, the model masks it as its own forward would
             mask, positions = None, torch.tensor([[past]], device=self.device)
         out = self.model(
             input_ids=ids,

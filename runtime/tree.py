@@ -76,20 +76,14 @@ class DraftTree:
         return path[::-1]
 
 
-def tree_attention_inputs(
-    tree: DraftTree, past_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float 4D attention mask (1, 1, n+1, past_len+n+1) and position ids (1, n+1) to verify `tree`.
-
-    The n+1 new positions are the root then the nodes. Each sees the whole committed prefix, its
-    ancestors and itself (0.0) and nothing else (dtype's most negative value). A float mask, never
-    a bool one: eager attention adds a bool mask instead of applying it. Position = past_len + depth.
-    """
+def tree_visibility(tree: DraftTree, past_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each of the n+1 new positions (the root, then the nodes) may see, bool (n+1, past_len+n+1), and
+    their position ids (n+1,): the whole committed prefix, its ancestors and itself; position = past_len + depth."""
     n = len(tree)
     allowed = torch.ones(n + 1, past_len + n + 1, dtype=torch.bool)
     allowed[:, past_len:] = tree.ancestor_mask()
     positions = torch.tensor([past_len, *(past_len + d for d in tree.depths)])
-    return additive_mask(allowed, dtype, device), positions[None].to(device)
+    return allowed, positions
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -2,18 +2,20 @@
 
 import pytest
 import torch
-from headstart.runtime.tree import DraftTree, TreeGrower, tree_attention_inputs
+from headstart.runtime.attention import AttentionLayout
+from headstart.runtime.tree import DraftTree, TreeGrower, additive_mask, tree_visibility
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:
-    """The float 4D mask as a 0/1 int matrix (1 = may attend)."""
+    """A float 4D mask as a 0/1 int matrix (1 = may attend)."""
     return (mask[0, 0] == 0).int()
 
 
 def test_chain_tree_mask_is_causal():
     # root r, then a chain a -> b -> c; 2 committed tokens P0 P1.
     tree = DraftTree(tokens=[10, 11, 12], parents=[-1, 0, 1])
-    mask, pos = tree_attention_inputs(tree, past_len=2, dtype=torch.float32)
+    visible, pos = tree_visibility(tree, past_len=2)
     drawn = torch.tensor(
         [
             # P0 P1  r  a  b  c
@@ -23,9 +25,8 @@ def test_chain_tree_mask_is_causal():
             [1, 1, 1, 1, 1, 1],  # c
         ]
     )
-    assert mask.shape == (1, 1, 4, 6)
-    assert torch.equal(allowed(mask), drawn)
-    assert pos.tolist() == [[2, 3, 4, 5]]
+    assert torch.equal(visible.int(), drawn)
+    assert pos.tolist() == [2, 3, 4, 5]
 
 
 def test_branching_tree_mask():
@@ -39,7 +40,7 @@ def test_branching_tree_mask():
     #     |
     #     f
     tree = DraftTree(tokens=[5, 6, 7, 8, 9, 4], parents=[-1, -1, 0, 0, 1, 2])
-    mask, pos = tree_attention_inputs(tree, past_len=3, dtype=torch.float32)
+    visible, pos = tree_visibility(tree, past_len=3)
     drawn = torch.tensor(
         [
             # P0 P1 P2 r  a  b  c  d  e  f
@@ -52,19 +53,52 @@ def test_branching_tree_mask():
             [1, 1, 1, 1, 1, 0, 1, 0, 0, 1],  # f
         ]
     )
-    assert torch.equal(allowed(mask), drawn)
+    assert torch.equal(visible.int(), drawn)
     #                    r  a  b  c  d  e  f
-    assert pos.tolist() == [[3, 4, 4, 5, 5, 5, 6]]
+    assert pos.tolist() == [3, 4, 4, 5, 5, 5, 6]
     # masked entries are the dtype's most negative value, never a bool
+    mask = additive_mask(visible, torch.float32)
+    assert mask.shape == (1, 1, 7, 10) and torch.equal(allowed(mask), drawn)
     assert mask.dtype == torch.float32 and mask.min() == torch.finfo(torch.float32).min
     assert tree.children() == [[0, 1], [2, 3], [4], [5], [], [], []]
     assert tree.path_to(5) == [0, 2, 5]
 
 
 def test_bf16_mask_and_empty_tree():
-    mask, pos = tree_attention_inputs(DraftTree(), past_len=4, dtype=torch.bfloat16)
+    visible, pos = tree_visibility(DraftTree(), past_len=4)
+    mask = additive_mask(visible, torch.bfloat16)
     assert mask.dtype == torch.bfloat16 and mask.shape == (1, 1, 1, 5) and (mask == 0).all()
-    assert pos.tolist() == [[4]]
+    assert pos.tolist() == [4]
+
+
+def test_sliding_window_tree_mask():
+    """Window 3: a query at position i sees keys at positions > i - 3 (itself and the two before), as
+    transformers' sliding layers do; the tree's branches are positioned by depth, not by index."""
+    #          r          past P0..P3 (positions 0-3), root r at 4,
+    #        /   \         a, b at 5, c at 6 (child of a)
+    #       a     b
+    #       |
+    #       c
+    tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0])
+    visible, pos = tree_visibility(tree, past_len=4)
+    keys = torch.cat([torch.arange(4), pos])
+    layout = AttentionLayout(MistralConfig(sliding_window=3))
+    drawn = torch.tensor(
+        [
+            # P0 P1 P2 P3 r  a  b  c
+            [0, 0, 1, 1, 1, 0, 0, 0],  # r (4): sees 2, 3, 4
+            [0, 0, 0, 1, 1, 1, 0, 0],  # a (5): sees 3, 4 and itself
+            [0, 0, 0, 1, 1, 0, 1, 0],  # b (5)
+            [0, 0, 0, 0, 1, 1, 0, 1],  # c (6): sees r, a, itself
+        ]
+    )
+    assert torch.equal(allowed(layout.masks(visible, pos, keys, torch.float32, "cpu")), drawn)
+    types = ["sliding_attention", "full_attention"]
+    mixed = AttentionLayout(Gemma3TextConfig(sliding_window=3, num_hidden_layers=2, layer_types=types))
+    masks = mixed.masks(visible, pos, keys, torch.float32, "cpu")
+    assert torch.equal(allowed(masks["sliding_attention"]), drawn)
+    assert torch.equal(allowed(masks["full_attention"]), visible.int())
+    assert AttentionLayout(LlamaConfig()).window is None
 
 
 @pytest.mark.parametrize(
