@@ -16,6 +16,8 @@ With `draft_vocab` N > 0 the readout is restricted to the N ids in the buffer `d
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from headstart.heads.vocab import DraftReadout
 from torch import nn
@@ -31,16 +33,36 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = layer_cls(config, layer_idx=0)
         # --- change to the target's decoder layer (as EAGLE does) ----------------------------------
-        # The fc output feeds attention directly: the first input norm is dropped.
-        self.layer.input_layernorm = nn.Identity()
+        # The fc output feeds attention directly: the first input norm is dropped (post-norm layers such
+        # as OLMo-2's have none to drop).
+        if hasattr(self.layer, "input_layernorm"):
+            self.layer.input_layernorm = nn.Identity()
         # --------------------------------------------------------------------------------------------
         self.rotary = rotary_cls(config)
+        # rotary embeddings per attention kind (Gemma 3: local and global) take the layer's kind
+        takes_kind = "layer_type" in inspect.signature(rotary_cls.forward).parameters
+        self.rotary_kwargs = {"layer_type": config.layer_types[0]} if takes_kind else {}  # the kind of layer 0
         # (N,) target ids of the draft vocabulary, set by training; None = the full vocabulary.
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
+
+    @staticmethod
+    def check_target(model: nn.Module) -> None:
+        """Refuse, in one line naming the model class, a target whose decoder layout the head cannot reuse."""
+        decoder = model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        missing = [what for what, ok in (
+            ("a decoder layer list", layers is not None),
+            ("a rotary embedding", hasattr(decoder, "rotary_emb")),
+            ("a decoder layer that takes `cache=`",
+             layers is not None and "cache" in inspect.signature(type(layers[0]).forward).parameters),
+        ) if not ok]  # fmt: skip
+        if missing:
+            raise ValueError(f"EAGLE heads cannot be built for {type(model).__name__}: it lacks {', '.join(missing)}")
 
     @classmethod
     def for_target(cls, model: nn.Module, draft_vocab: int = 0) -> EagleHead:
         """Build from a Hugging Face causal LM: its config, decoder-layer class and rotary embedding class."""
+        cls.check_target(model)
         decoder = model.get_decoder()
         return cls(model.config, type(decoder.layers[0]), type(decoder.rotary_emb), draft_vocab)
 
@@ -58,7 +80,7 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """Predicted features at t+1, (B, T, H)."""
         x = self.fc(torch.cat([next_embeds, features], dim=-1))
-        cos_sin = self.rotary(x, position_ids)
+        cos_sin = self.rotary(x, position_ids, **self.rotary_kwargs)
         return self.layer(
             x,
             attention_mask=attention_mask,

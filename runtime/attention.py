@@ -14,7 +14,6 @@ branch; the masks keep the attention exact instead.
 from __future__ import annotations
 
 import torch
-
 from headstart.runtime.tree import additive_mask
 
 MaskArg = torch.Tensor | dict[str, torch.Tensor]

@@ -60,6 +60,8 @@ def layerskip_model(model: nn.Module, layers: list[int]) -> nn.Module:
     if layers[-1] >= total:
         raise ValueError(f"the target has {total} layers (0..{total - 1}), got layer {layers[-1]}")
     config = copy.deepcopy(model.config)
+    if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding / full) of the kept layers
+        config.__dict__["layer_types"] = [config.layer_types[i] for i in layers]  # validated with the count below
     config.num_hidden_layers = len(layers)  # the decoder runs layers[:num_hidden_layers]
     config.use_cache = False  # a cache built from this config would not know the layers' own indices
     # --- shallow copies: new module containers, the same parameters -------------------------------

@@ -93,8 +93,11 @@ def _medusa(options: MedusaOptions, ctx: Context) -> Drafter:
 
 
 def _eagle(options: EagleOptions, ctx: Context) -> Drafter:
+    from headstart.heads.eagle import EagleHead
     from headstart.runtime.drafters.eagle import EagleDrafter
 
+    if ctx.model is not None:
+        EagleHead.check_target(ctx.model)  # before any file is read
     module, config = _trained("eagle", options, ctx)
     embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
     return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.get("rank_accuracy"))
