@@ -348,12 +348,12 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
     if len(kinds) == 1:
-        return {kinds[0]: run_one(cfg)}
+        return {kinds[0]: run_one(cfg, last=True)}
     results = {}
     for kind in kinds:
         one = dataclasses.replace(cfg, output_dir=str(Path(cfg.output_dir) / kind))
         one.heads = dataclasses.replace(cfg.heads, kind=kind)
-        results[kind] = run_one(one)
+        results[kind] = run_one(one, last=kind == kinds[-1])
     return results
 
 
@@ -372,8 +372,9 @@ def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
-def run_one(cfg: TrainConfig) -> dict[str, float]:
-    """Train one head kind as `cfg` says; returns the final held-out metrics."""
+def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
+    """Train one head kind as `cfg` says; returns the final held-out metrics. Only the `last` run of a launch
+    ends training (which tears the process group down): the others only close their trackers."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -396,7 +397,11 @@ def run_one(cfg: TrainConfig) -> dict[str, float]:
         init = {"wandb": {"name": name, "dir": str(out)}} if cfg.report_to == "wandb" else {}
         accelerator.init_trackers("headstart", config=config_to_dict(cfg), init_kwargs=init)
     metrics = trainer.fit()
-    accelerator.end_training()
+    if last:
+        accelerator.end_training()
+    else:
+        for tracker in accelerator.trackers:
+            tracker.finish()
     return metrics
 
 
