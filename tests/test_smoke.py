@@ -1,4 +1,5 @@
-"""configs/smoke.yaml end to end, as its header launches it: both head kinds, offline W&B, under a minute or so."""
+"""configs/smoke.yaml end to end, as its header launches it (one process, then the README's two-process DDP check):
+both head kinds, offline W&B, about a minute each. The tiny target uses the embedded SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ from pathlib import Path
 import pytest
 from helpers.models import ACCELERATE_LAUNCH
 
-pytestmark = pytest.mark.model  # the tiny target uses the embedded SmolLM2 tokenizer
+pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_smoke_config_trains_both_kinds(tmp_path):
-    prompts = ROOT.parent / "shared" / "data" / "train" / "prompts.jsonl"
-    if not prompts.is_file():
-        pytest.skip(f"{prompts} not found (it lies in shared/ beside the checkout)")
+@pytest.mark.parametrize("launch", [["--num_processes", "1"], ["--multi_gpu", "--num_processes", "2"]],
+                         ids=["one-process", "ddp-two-processes"])  # fmt: skip
+def test_smoke_config_trains_both_kinds(tmp_path, launch):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    cmd = [*ACCELERATE_LAUNCH, "--num_processes", "1", "train/heads.py", "--config", "configs/smoke.yaml",
+    cmd = [*ACCELERATE_LAUNCH, *launch, "train/heads.py", "--config", "configs/smoke.yaml",
            f"output_dir={tmp_path}", f"data.path={tmp_path / 'data'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

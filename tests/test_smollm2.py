@@ -1,4 +1,4 @@
-"""The embedded SmolLM2-135M-Instruct (fp32): greedy identity with its own `generate` on Spec-Bench prompts."""
+"""The embedded SmolLM2-135M-Instruct (fp32): greedy identity with its own `generate` on the test prompts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from headstart.runtime.prompts import load_prompts
 
 pytestmark = pytest.mark.model
 
-SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval" / "spec_bench.jsonl"
+PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 CATEGORIES = ["summarization", "rag", "qa", "translation", "math_reasoning"]
 SHIPPED = Path(__file__).resolve().parents[1] / "heads" / "trained"
 
@@ -24,15 +24,14 @@ def engine():
     return Engine.load("smollm2-135m-instruct", dtype="float32")
 
 
-def spec_bench(per_category: int):
-    if not SPEC_BENCH.is_file():
-        pytest.skip(f"{SPEC_BENCH} not found (it lies in shared/ beside the checkout)")
-    return load_prompts(SPEC_BENCH, set(CATEGORIES), per_category)
+def sample_prompts(per_category: int):
+    """`per_category` prompts of each category from tests/data (project-written, so a bare clone has them)."""
+    return load_prompts(PROMPTS, set(CATEGORIES), per_category)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    return spec_bench(1)
+    return sample_prompts(1)
 
 
 _GENERATE: dict[tuple[int, ...], list[int]] = {}
@@ -53,14 +52,14 @@ def assert_identity(engine: Engine, drafter, prompts, max_new_tokens: int = 64) 
     return accepted
 
 
-def test_greedy_identity_on_spec_bench(engine, prompts):
+def test_greedy_identity_on_the_sample_prompts(engine, prompts):
     assert assert_identity(engine, engine.make_drafter("none"), prompts) == 0
     assert assert_identity(engine, engine.make_drafter("lookup"), prompts) > 0
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_greedy_identity_with_shipped_heads(engine, kind):
-    """The heads shipped in heads/trained, 10 Spec-Bench prompts x 64 tokens, fp32."""
+    """The heads shipped in heads/trained, 10 test prompts x 64 tokens, fp32."""
     heads = SHIPPED / f"smollm2-135m-instruct-{kind}"
     drafter = engine.make_drafter(kind, heads=str(heads))  # with the embedded model's profile
     trained = json.loads((heads / "config.json").read_text())["options"]["draft_vocab"]
@@ -68,7 +67,7 @@ def test_greedy_identity_with_shipped_heads(engine, kind):
     assert drafter.readout.size == min(trained, profile["draft_vocab"])  # a prefix of the draft vocabulary
     if kind == "medusa":  # the default tree, chosen from the saved per-rank accuracies
         assert len(drafter.shape) == profile["budget"]
-    assert assert_identity(engine, drafter, spec_bench(2)) > 0
+    assert assert_identity(engine, drafter, sample_prompts(2)) > 0
 
 
 def test_demo_with_shipped_heads_is_identical(capsys):
@@ -82,7 +81,7 @@ def test_demo_with_shipped_heads_is_identical(capsys):
 
 @pytest.mark.parametrize("kind", ["layerskip", "model"])
 def test_greedy_identity_with_layerskip_and_a_draft_model(engine, prompts, kind, tmp_path):
-    """5 Spec-Bench prompts x 64 tokens, fp32: the target's first 10 layers drafting, as a view of the
+    """5 test prompts x 64 tokens, fp32: the target's first 10 layers drafting, as a view of the
     target (layerskip) or saved as a model directory of its own and loaded back (model)."""
     from headstart.runtime.drafters.model import layerskip_model
 

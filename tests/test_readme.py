@@ -1,0 +1,77 @@
+"""The README's commands stay true: every `headstart` line parses with the real parser and the quick ones
+run (generate, shortened to 8 tokens; the Python example); `make` targets exist; `accelerate launch` lines
+name configs that load (configs/smoke.yaml itself runs in tests/test_smoke.py, both launch lines)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from headstart.train.config import load_config
+
+from headstart.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+NOT_RUN_HERE = ("curl",)  # needs a running server: tests/test_serve.py drives the real one
+
+
+def commands(language: str = "bash") -> list[str]:
+    """Every command line of the README's code blocks in `language`, continuations joined, comments cut."""
+    lines = []
+    for block in re.findall(rf"```{language}\n(.*?)```", README, re.S):
+        block = block.replace("\\\n", " ")
+        for line in block.splitlines():
+            line = line.split("  #")[0].split(" # ")[0].strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def test_every_command_is_known():
+    known = ("make ", "headstart ", "accelerate launch ", *NOT_RUN_HERE)
+    assert commands() and all(c.startswith(known) for c in commands()), commands()
+
+
+@pytest.mark.parametrize("line", [c for c in commands() if c.startswith("make ")])
+def test_make_targets_exist(line):
+    target = line.split()[1]
+    assert re.search(rf"^{target}:", (ROOT / "Makefile").read_text(), re.M), line
+
+
+@pytest.mark.parametrize("line", [c for c in commands() if c.startswith("headstart ")])
+def test_headstart_commands_parse(line):
+    build_parser().parse_args(shlex.split(line)[1:])  # raises on an unknown flag or a bad value
+
+
+@pytest.mark.parametrize("line", [c for c in commands() if c.startswith("accelerate launch ")])
+def test_accelerate_lines_name_configs_that_load(line):
+    args = shlex.split(line)
+    for flag in ("--config_file", "--config"):
+        if flag in args:
+            path = ROOT / args[args.index(flag) + 1]
+            assert path.is_file(), f"{line}: {path} not found"
+    overrides = [a for a in args[args.index("--config") + 2 :] if "=" in a]
+    load_config(ROOT / args[args.index("--config") + 1], overrides)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("line", [c for c in commands() if c.startswith("headstart generate")])
+def test_generate_commands_run(line, tiny_model_dir, capsys):
+    """As written, but 8 new tokens; `path/to/hf-model-dir` is a tiny model directory."""
+    argv = [str(tiny_model_dir) if a == "path/to/hf-model-dir" else a for a in shlex.split(line)[1:]]
+    code, out = main([*argv, "--max-new-tokens", "8"]), capsys.readouterr()
+    assert code == 0, out.err
+    assert "[8 tokens" in out.err or '"new_tokens": 8' in out.out, out
+
+
+@pytest.mark.model
+def test_python_example_runs(capsys):
+    (code,) = re.findall(r"```python\n(.*?)```", README, re.S)
+    code = code.replace("max_new_tokens=128", "max_new_tokens=8").replace(
+        'stop=["\\n\\n"]', 'stop=["\\n\\n"], max_new_tokens=8'
+    )
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
