@@ -30,7 +30,7 @@ FAMILIES = {
     "mistral": lambda: tf.MistralConfig(num_key_value_heads=2, sliding_window=WINDOW, **COMMON),
     "gemma3": lambda: tf.Gemma3TextConfig(
         num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_MIXED, **COMMON
-    ),  # fmt: skip
+    ),
     "phi3": lambda: tf.Phi3Config(num_key_value_heads=2, pad_token_id=0, **COMMON),
     "olmo2": lambda: tf.Olmo2Config(num_key_value_heads=2, eos_token_id=None, **COMMON),
     "gpt_neox": lambda: tf.GPTNeoXConfig(**COMMON),  # another module layout: gpt_neox.layers, final_layer_norm
