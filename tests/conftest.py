@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.drafters import drafter_setup
 from helpers.models import WORDS, tiny_llama, tiny_tokenizer
 
 
@@ -15,3 +16,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_drafters(tmp_path_factory: pytest.TempPathFactory):
+    """Every registered drafter's inputs for one tiny 8-token target (`helpers.drafters.drafter_setup`)."""
+    return drafter_setup(tmp_path_factory.mktemp("drafters"))

@@ -1,0 +1,42 @@
+"""Every registered drafter built for one tiny target: the set-up of the drafter contract and the sync count.
+
+The target is a tiny random Llama over 8 tokens, peaked enough for drafts to be accepted; Medusa and EAGLE
+use random heads (exactness must not depend on the heads' quality) with made-up per-rank accuracies; the
+draft model is the target's first layer saved as a model of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from headstart.heads.checkpoint import save_heads, target_fingerprint
+from headstart.runtime.drafters.model import layerskip_model
+from headstart.runtime.drafters.registry import make_drafter
+
+from helpers.exactness import random_heads, sampling_model
+from helpers.models import WORDS, tiny_tokenizer
+
+ACCURACY = {"medusa": [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]], "eagle": [[0.5, 0.3], [0.4, 0.3], [0.5]]}
+HEAD_OPTIONS = {"medusa": {"num_heads": 3}, "eagle": {}}
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6], [3, 1, 4, 1, 5]]
+
+
+def drafter_setup(root: Path):
+    """(model, tokenizer, {option: value} per drafter base) for the 8-token target; files go under `root`."""
+    model = sampling_model()
+    tokenizer = tiny_tokenizer(WORDS[:8])
+    options = {"layerskip": {"draft_layers": 1}, "model": {"draft_model": str(root / "draft")}}
+    layerskip_model(model, [0]).save_pretrained(root / "draft")
+    tokenizer.save_pretrained(root / "draft")
+    for kind in ("medusa", "eagle"):
+        heads = random_heads(kind, model, 0.3 if kind == "medusa" else 0.1, **HEAD_OPTIONS[kind])
+        fingerprint = target_fingerprint(model, tokenizer)
+        extra = {"rank_accuracy": ACCURACY[kind], "dtype": "float32"}
+        save_heads(root / kind, heads, kind, HEAD_OPTIONS[kind], fingerprint, extra)
+        options[kind] = {"heads": str(root / kind)}
+    return model, tokenizer, options
+
+
+def build(name: str, setup: tuple):
+    model, tokenizer, options = setup
+    return make_drafter(name, model, tokenizer, **options.get(name.removesuffix("+lookup"), {}))
