@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench pinned clean
+.PHONY: install demo test lint bench gpu-check pinned clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ test: install
 
 bench: install
 	$(BIN)/headstart bench --categories summarization,rag --limit-per-category 10 --methods plain,hf,hf-lookup,lookup
+
+# the device check: float32 greedy identity of every drafter, then a short bf16 bench (DEVICE=cpu runs it here)
+DEVICE ?= cuda
+gpu-check: install
+	$(BIN)/headstart check --device $(DEVICE) $(CHECK_ARGS)
 
 # after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
 pinned: install

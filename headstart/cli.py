@@ -11,13 +11,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from headstart import __version__
 from headstart.runtime.demo import DEFAULT_DRAFTER
 from headstart.runtime.drafters.registry import names, option_names, parse_spec
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
 from headstart.runtime.profiles import PROFILES
-from headstart.runtime.prompts import SPEC_BENCH, Prompt, load_prompts
+from headstart.runtime.prompts import SPEC_BENCH, TEST_PROMPTS, Prompt, load_prompts
 from headstart.train.distill import DERIVED
 
 # CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
@@ -66,6 +67,13 @@ def _add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None
                    help="nodes per tree (default: the drafter's, from the profile)")  # fmt: skip
     _add_tree_args(p)
     _add_profile_arg(p)
+
+
+def _has_cuda() -> bool:
+    """Whether a CUDA device is visible, without importing torch (which help must not load)."""
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and Path("/dev/nvidiactl").exists()
 
 
 def _at_least_one(text: str) -> int:
@@ -179,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
     lt.add_argument("--out", default=None, help="also write the results as JSON here")
 
+    ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
+    ck.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
+    ck.add_argument("--device", default="cuda" if _has_cuda() else "cpu", help="cuda, cpu ...")
+    ck.add_argument("--prompts", default=TEST_PROMPTS, help="JSONL prompt file (default: the project's test prompts)")
+    ck.add_argument("--max-new-tokens", type=_at_least_one, default=48)
+    ck.add_argument("--out", default="bench-results", help="folder for the bench records")
+
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -207,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "loadtest":
             return cmd_loadtest(args)
+        if args.command == "check":
+            from headstart.runtime.check import run_check
+
+            if not Path(args.prompts).is_file():
+                raise UserError(f"prompts file not found: {args.prompts} (run from a checkout, or pass --prompts FILE)")
+            return run_check(args.model, args.device, args.prompts, max_new_tokens=args.max_new_tokens, out=args.out)
         if args.command == "demo":
             from headstart.runtime.demo import run_demo
 

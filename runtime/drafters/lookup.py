@@ -73,6 +73,6 @@ def build_trie(branches: list[list[int]], budget: int, onto: DraftTree | None = 
     probs = onto.draft_probs if onto is not None else None
     if probs is not None and len(tokens) > old:  # (n, V): point masses for the added nodes
         added = probs.new_zeros(len(tokens) - old, probs.shape[1])
-        added[torch.arange(len(added)), torch.tensor(tokens[old:])] = 1.0
+        added[torch.arange(len(added), device=added.device), torch.tensor(tokens[old:], device=added.device)] = 1.0
         probs = torch.cat([probs, added])
     return DraftTree(tokens, parents, probs)
