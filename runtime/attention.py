@@ -30,12 +30,12 @@ class AttentionLayout:
         if unknown:
             raise ValueError(f"{type(config).__name__}: attention layer types {unknown} are not supported")
 
-    def masks(
-        self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype, device
-    ) -> MaskArg:
-        """Float 4D mask(s) for queries at positions `q_pos` (q,) over keys at `k_pos` (k,), `allowed` (q, k)."""
+    def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, past: int, dtype: torch.dtype, device) -> MaskArg:
+        """Float 4D mask(s) for new queries at positions `q_pos` (q,), `allowed` (q, past + q) over the `past`
+        cached keys (positions 0..past-1) and the new ones (at `q_pos`)."""
         full = additive_mask(allowed, dtype, device)
         if self.window is None:
             return full
+        k_pos = torch.cat([torch.arange(past), q_pos])
         windowed = additive_mask(allowed & (k_pos[None, :] > q_pos[:, None] - self.window), dtype, device)
         return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed

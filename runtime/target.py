@@ -58,8 +58,7 @@ class Target:
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)  # (1, n+1)
         if len(tree):
             allowed, positions = tree_visibility(tree, past)  # (n+1, past+n+1), (n+1,)
-            keys = torch.cat([torch.arange(past), positions])
-            mask = self.layout.masks(allowed, positions, keys, self.dtype, self.device)
+            mask = self.layout.masks(allowed, positions, past, self.dtype, self.device)
             positions = positions[None].to(self.device)
         else:  # plain decoding step: one query, the model masks it as its own forward would
             mask, positions = None, torch.tensor([[past]], device=self.device)

@@ -81,7 +81,6 @@ def test_sliding_window_tree_mask():
     #       c
     tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0])
     visible, pos = tree_visibility(tree, past_len=4)
-    keys = torch.cat([torch.arange(4), pos])
     layout = AttentionLayout(MistralConfig(sliding_window=3))
     drawn = torch.tensor(
         [
@@ -92,10 +91,10 @@ def test_sliding_window_tree_mask():
             [0, 0, 0, 0, 1, 1, 0, 1],  # c (6): sees r, a, itself
         ]
     )
-    assert torch.equal(allowed(layout.masks(visible, pos, keys, torch.float32, "cpu")), drawn)
+    assert torch.equal(allowed(layout.masks(visible, pos, 4, torch.float32, "cpu")), drawn)
     types = ["sliding_attention", "full_attention"]
     mixed = AttentionLayout(Gemma3TextConfig(sliding_window=3, num_hidden_layers=2, layer_types=types))
-    masks = mixed.masks(visible, pos, keys, torch.float32, "cpu")
+    masks = mixed.masks(visible, pos, 4, torch.float32, "cpu")
     assert torch.equal(allowed(masks["sliding_attention"]), drawn)
     assert torch.equal(allowed(masks["full_attention"]), visible.int())
     assert AttentionLayout(LlamaConfig()).window is None
