@@ -106,3 +106,19 @@ def test_distill_derive_with_nothing_usable_one_line(capsys, tmp_path, tiny_mode
     assert last.endswith("usable for the summary task")
     code, _, err = run_cli(capsys, *common[:-4], "--out", str(tmp_path / "nothing"), "--derive", "summary")
     assert code == 2 and "no distilled shards" in err
+
+
+def test_bench_without_spec_bench_says_where_it_comes_from(capsys, tmp_path, monkeypatch, tiny_model_dir):
+    """A bare clone has no ../shared: bench without --prompts names Spec-Bench's question.jsonl in one line."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--model", str(tiny_model_dir), "--methods", "plain"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Spec-Bench" in err and "question.jsonl" in err and "--prompts" in err
+
+
+def test_a_drafter_option_it_does_not_take_is_named(capsys, tiny_model_dir):
+    """Options reach the drafter that takes them or are refused by their flag, before the model loads."""
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "the cat", "--drafter", "lookup"]
+    assert main([*argv, "--tree-depth", "3"]) == 2
+    assert "--drafter lookup does not take --tree-depth" in capsys.readouterr().err
+    assert main([*argv, "--tree-budget", "4", "--max-new-tokens", "4"]) == 0  # lookup takes a budget

@@ -54,6 +54,8 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
 def layerskip_model(model: nn.Module, layers: list[int]) -> nn.Module:
     """A view of `model` that runs only decoder `layers` (sharing their weights), then its norm and lm_head."""
     decoder = model.get_decoder()
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise ValueError(f"the layerskip drafter cannot run {type(model).__name__}: its decoder has no `layers` list")
     total = len(decoder.layers)
     if not layers or layers[0] != 0 or any(b <= a for a, b in itertools.pairwise(layers)):
         raise ValueError(f"draft layers must be increasing and start at layer 0, got {layers}")
