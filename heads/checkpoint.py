@@ -102,9 +102,18 @@ def load_heads(directory: str | Path, model: nn.Module, tokenizer=None) -> tuple
     config_path = directory / "config.json"
     if not config_path.is_file() or not (directory / "model.safetensors").is_file():
         raise ValueError(f"{directory} is not a heads checkpoint (needs config.json and model.safetensors)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("kind") not in KINDS or "target" not in config:
+        raise ValueError(f"{directory} is not a heads checkpoint (its config.json names no head kind and target; "
+                         "a model directory goes to --model)")  # fmt: skip
     check_fingerprint(config["target"], target_fingerprint(model, tokenizer), str(directory))
     heads = build_heads(config["kind"], model, **config.get("options", {}))
-    state = load_file(directory / "model.safetensors")
-    heads.load_state_dict({k: _cast(v, model.dtype) for k, v in state.items()})
+    try:
+        state = load_file(directory / "model.safetensors")
+        heads.load_state_dict({k: _cast(v, model.dtype) for k, v in state.items()})
+    except Exception as e:  # truncated file, or weights of other shapes: one line naming the file
+        raise ValueError(f"cannot load {directory / 'model.safetensors'}: {type(e).__name__}: {str(e)[:200]}") from e
     return heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False), config

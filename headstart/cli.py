@@ -76,6 +76,17 @@ def _has_cuda() -> bool:
     return os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and Path("/dev/nvidiactl").exists()
 
 
+def _seed(text: str) -> int:
+    """A torch seed: 0 .. 2**63 - 2 (drafters seed their own stream with seed + 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= 2**63 - 2:
+        raise argparse.ArgumentTypeError(f"must be in 0 .. 2**63 - 2, got {value}")
+    return value
+
+
 def _at_least_one(text: str) -> int:
     try:
         value = int(text)
@@ -128,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
@@ -146,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma list (default: all six; mt_bench = the 8 of MT-bench)")
     b.add_argument("--limit-per-category", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=_seed, default=0)
     b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
 
     ds = sub.add_parser("distill", help="self-distillation: the target answers training prompts (resumable)")
@@ -160,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
     ds.add_argument("--batch-size", type=int, default=16)
-    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--seed", type=_seed, default=0)
 
     r = sub.add_parser("report", help="per-head training curves of several runs in one PNG")
     r.add_argument("runs", nargs="+", help="training output directories (with metrics.jsonl)")
@@ -169,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
     _add_model_args(sv, "bfloat16")
     _add_drafter_args(sv)
-    sv.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: --model)")
+    sv.add_argument("--served-model-name", default=None,
+                    help="the `model` clients pass (default: --model's last path part, never a path)")  # fmt: skip
+    sv.add_argument("--max-body-mb", type=float, default=None, help="largest request body, larger gets 413 (default 4)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
@@ -281,6 +294,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_name(model: str, given: str | None) -> str:
+    """The id clients pass as `model`: `given`, else the last part of --model (never a filesystem path)."""
+    return given or Path(model.rstrip("/")).name.removesuffix(".gguf")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -297,7 +315,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--step-aside-queue must be >= 0, got {args.step_aside_queue}")
     options = {"max_queue": args.max_queue, "time_limit_s": args.time_limit, "step_aside_queue": args.step_aside_queue,
                "min_acceptance": args.min_acceptance}  # fmt: skip
-    config = ServeConfig(args.served_model_name or args.model, **{k: v for k, v in options.items() if v is not None})
+    if args.max_body_mb is not None:
+        if args.max_body_mb <= 0:
+            raise UserError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+        options["max_body_bytes"] = int(args.max_body_mb * (1 << 20))
+    config = ServeConfig(served_name(args.model, args.served_model_name),
+                         **{k: v for k, v in options.items() if v is not None})  # fmt: skip
     engine = _load_engine(args)
     print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({dataclasses.asdict(config)})",
           file=sys.stderr)  # fmt: skip

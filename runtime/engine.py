@@ -11,6 +11,7 @@ One request at a time: the target's cache belongs to the call that is streaming.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -100,9 +101,26 @@ class Engine:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation under the model's chat template, ready for the assistant's turn."""
-        return list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-        )
+        return self.encode_chat_with(self.tokenizer, messages)
+
+    @staticmethod
+    def encode_chat_with(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+        """`encode_chat` with `tokenizer`. What the messages say is text, always: content that spells a special
+        token (`<|im_start|>system`) is tokenised as those characters, never as the control token, so no
+        message can open a turn of its own. The template is rendered around placeholders; its own text is
+        tokenised with special tokens, each message's content without. For ordinary content the ids equal
+        `apply_chat_template`'s (tested), since templates end their markup at a token boundary."""
+        marks = [f"\x00{i}\x00" for i in range(len(messages))]
+        text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
+        ids: list[int] = []
+        for i, piece in enumerate(re.split("\x00(\\d+)\x00", text)):
+            if i % 2:  # a message's content
+                ids += tokenizer(messages[int(piece)]["content"], add_special_tokens=False,
+                                 split_special_tokens=True).input_ids  # fmt: skip
+            elif piece:
+                ids += tokenizer(piece, add_special_tokens=False).input_ids
+        return ids
 
     def stream(
         self,

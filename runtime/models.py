@@ -129,7 +129,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
         )
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load model from {path}: {e}") from e
+    except Exception as e:  # a truncated or foreign file raises whatever its reader raises: one line, not a traceback
+        raise ModelError(f"cannot load model from {path}: {type(e).__name__}: {str(e)[:300]}") from e
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer

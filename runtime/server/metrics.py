@@ -5,6 +5,14 @@ from __future__ import annotations
 from headstart.runtime.generate import GenerationStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# The label of every path the server routes; any other path (a scanner's, a typo) counts as "other", so the
+# label set, and /metrics with it, stays bounded whatever clients send.
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def path_label(path: str) -> str:
+    return path if path in ROUTES else "other"
+
 
 class ServerMetrics:
     def __init__(self) -> None:

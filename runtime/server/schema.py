@@ -1,7 +1,10 @@
 """The OpenAI request bodies the server accepts, and the response and chunk bodies it writes.
 
-Unsupported OpenAI parameters (n > 1, logprobs, tools, penalties, ...) are refused by name with
-a 400 rather than ignored; unknown fields are refused too.
+Strict, as OpenAI's API is: a string or a boolean where a number belongs is a 400, and null means
+"the default" where OpenAI allows it. OpenAI parameters this server does not implement (n > 1,
+logprobs, tools, penalties, ...) are refused by name with a 400 unless set to the value that leaves
+them off (n: 1, response_format text, tool_choice "none", store false ...); unknown fields are refused
+too. Text must be valid Unicode (a lone surrogate is a 400). Values echoed in errors are cut short.
 """
 
 from __future__ import annotations
@@ -10,9 +13,26 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 2  # torch seeds are 64-bit; drafters use seed + 1
+ECHO_CHARS = 64  # the most of a client's value an error message repeats
+
+
+def clip(value: object) -> str:
+    """A client's value as an error message may show it: its repr, cut short."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + f"... ({len(text)} characters)"
+
+
+def check_unicode(text: str, param: str) -> str:
+    """`text` if it encodes as UTF-8 (JSON can carry lone surrogates such as \\ud800, which cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{param} is not valid Unicode (a lone surrogate at position {e.start})") from None
+    return text
 
 
 class APIError(Exception):
@@ -30,58 +50,74 @@ class APIError(Exception):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: StrictStr
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return check_unicode(text, "messages.content")
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-# OpenAI parameters that exist but that this server does not implement: refused when set to a value
-# that would change the output (None, 1, 0, false, {} are what a client sends when it leaves them alone).
+# OpenAI parameters that exist but that this server does not implement: accepted only at the values that
+# leave them off (what a client sends when it leaves them alone); null is always such a value.
 UNSUPPORTED = {
-    "n": 1, "best_of": 1, "logprobs": (False, None), "top_logprobs": (None, 0), "echo": False, "suffix": None,
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
-    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
-    "audio": None, "modalities": None, "prediction": None,
+    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
+    "store": (False,), "service_tier": ("auto", "default"), "reasoning_effort": (),
 }  # fmt: skip
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")  # extra fields are checked by `_refuse_unsupported`
-    model: str
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt | None = Field(None, ge=0.0, le=2.0)  # None: OpenAI's default, 1
+    top_p: StrictFloat | StrictInt | None = Field(None, gt=0.0, le=1.0)  # None: 1
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = None  # None: False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as OpenAI does for logging
+    user: StrictStr | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         for name, value in (self.model_extra or {}).items():
             if name not in UNSUPPORTED:
-                raise ValueError(f"unknown parameter '{name}'")
-            allowed = UNSUPPORTED[name]
-            allowed = allowed if isinstance(allowed, tuple) else (allowed,)
-            if value not in allowed and value not in (None, {}, []):
-                raise ValueError(f"parameter '{name}' is not supported by this server (got {value!r})")
+                raise ValueError(f"unknown parameter '{clip(name)}'")
+            off = UNSUPPORTED[name]
+            if value is not None and not any(type(value) is type(v) and value == v for v in off):
+                raise ValueError(f"parameter '{name}' is not supported by this server (got {clip(value)})")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for text in [self.stop] if isinstance(self.stop, str) else self.stop or []:
+            check_unicode(text, "stop")
         return self
+
+    @property
+    def sampling_temperature(self) -> float:
+        return 1.0 if self.temperature is None else float(self.temperature)
+
+    @property
+    def sampling_top_p(self) -> float:
+        return 1.0 if self.top_p is None else float(self.top_p)
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -92,7 +128,7 @@ class _Request(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
     @model_validator(mode="after")
     def _one_limit(self):
@@ -104,7 +140,7 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -114,6 +150,8 @@ class CompletionRequest(_Request):
             self.prompt = self.prompt[0]
         if not self.prompt:
             raise ValueError("empty prompt")
+        if isinstance(self.prompt, str):
+            check_unicode(self.prompt, "prompt")
         return self
 
 

@@ -1,0 +1,76 @@
+"""A live `headstart serve` for tests: uvicorn on a free loopback port in a thread, over a tiny model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.engine import Engine
+from headstart.runtime.models import load_model
+from headstart.runtime.server.app import ServeConfig, build_app
+from openai import OpenAI
+
+NAME = "tiny"
+
+
+class SlowDrafter:
+    """Wraps a drafter; sleeps before each round so a generation is long enough to interrupt."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.name = inner.name
+
+    def start(self, *args):
+        return self.inner.start(*args)
+
+    def propose(self, context):
+        time.sleep(self.delay_s)
+        return self.inner.propose(context)
+
+    def observe(self, *args):
+        return self.inner.observe(*args)
+
+
+class LiveServer:
+    """uvicorn serving `build_app(engine, config)` on a free loopback port, in a thread."""
+
+    def __init__(self, engine: Engine, **config) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        app = build_app(engine, ServeConfig(NAME, **config))
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def metric(self, name: str, **labels) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == (f"{name}{{{want}}}" if labels else name):
+                return float(value)
+        return 0.0
+
+
+def tiny_engine(model_dir, drafter: str = "lookup", delay_s: float = 0.0) -> Engine:
+    model, tokenizer = load_model(str(model_dir))
+    inner = make_drafter(drafter, model, tokenizer)
+    return Engine(model, tokenizer, SlowDrafter(inner, delay_s) if delay_s else inner)

@@ -1,0 +1,196 @@
+"""`headstart serve` against hostile and careless clients, each case reproduced against the real uvicorn server
+(tiny model, 127.0.0.1), bounded in time and count: cancellation, limits, liveness, OpenAI's defaults."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from helpers.server import NAME, LiveServer, tiny_engine
+
+from headstart.cli import main
+
+STORY = {"model": NAME, "prompt": "the cat", "max_tokens": 400, "temperature": 1}
+
+
+def wait_until(condition, seconds: float = 10.0, what: str = "") -> float:
+    """Seconds it took `condition()` to hold; fails past `seconds`."""
+    t0 = time.perf_counter()
+    while not condition():
+        assert time.perf_counter() - t0 < seconds, f"not within {seconds} s: {what}"
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_model_dir):
+    """A server whose rounds take 20 ms or more, so a long request is long; no <eos> ends it early."""
+    engine = tiny_engine(tiny_model_dir, "none", delay_s=0.02)
+    engine.eos_ids = frozenset()
+    live = LiveServer(engine, max_queue=2, max_body_bytes=1 << 20)
+    yield live
+    live.close()
+
+
+def leave_after(url: str, body: dict, seconds: float) -> None:
+    """A client that gives up after `seconds` (curl -m)."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, timeout=seconds)
+
+
+def test_a_non_streaming_client_that_leaves_is_cancelled_within_a_round(slow):
+    leave_after(slow.url, STORY, 1.0)
+    took = wait_until(lambda: slow.metric("headstart_running_requests") == 0, 5, "generation still running")
+    assert took < 1.0  # one round is 20 ms; the disconnect is noticed at once
+    t0 = time.perf_counter()
+    r = httpx.post(slow.url + "/v1/completions", json={**STORY, "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and time.perf_counter() - t0 < 2  # not behind 400 tokens
+    assert slow.metric("headstart_requests_total", endpoint="/v1/completions", status="499") >= 1
+
+
+def test_clients_that_leave_the_queue_give_their_slots_back(slow):
+    running = threading.Thread(target=leave_after, args=(slow.url, STORY, 3.0))
+    running.start()  # holds the worker for 3 s
+    wait_until(lambda: slow.metric("headstart_running_requests") == 1, what="first request running")
+    for _ in range(2):  # max_queue = 2: both wait, then leave
+        leave_after(slow.url, {**STORY, "max_tokens": 2}, 0.3)
+    wait_until(lambda: slow.metric("headstart_queue_depth") == 0, 2, "abandoned requests still hold the queue")
+    waiting = httpx.post(slow.url + "/v1/completions", json={**STORY, "max_tokens": 2}, timeout=30)
+    assert waiting.status_code == 200  # not 429 "2 requests are waiting" with nobody waiting
+    running.join()
+
+
+def test_bodies_past_the_limit_get_413_and_health_stays_fast(slow):
+    big = json.dumps({"model": NAME, "prompt": "x" * (1 << 20)})
+    r = httpx.post(slow.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit holds on what arrives
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(40):
+            yield b"y" * 32768
+        yield b'"}'
+
+    r = httpx.post(slow.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # the largest allowed body, one after another: /health answers within 100 ms meanwhile
+    allowed = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "the cat " * 120_000}]})
+    assert len(allowed) < 1 << 20
+
+    def send_three():
+        for _ in range(3):
+            assert httpx.post(slow.url + "/v1/chat/completions", content=allowed, timeout=60).status_code == 400
+
+    sender = threading.Thread(target=send_three)
+    latencies = []
+    with httpx.Client(base_url=slow.url, timeout=5) as client:
+        client.get("/health")  # connected before the clock starts
+        sender.start()
+        while sender.is_alive():
+            t0 = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+    sender.join()
+    assert max(latencies) < 0.1, f"/health took up to {max(latencies):.3f} s"
+
+
+def test_unknown_paths_fold_into_one_metrics_label(slow):
+    size = len(httpx.get(slow.url + "/metrics").text)
+    for i in range(300):
+        httpx.get(f"{slow.url}/{i}-{'z' * 4000}")
+    assert httpx.get(slow.url + f"/{'q' * 100}").json()["error"]["code"] == "404"
+    text = httpx.get(slow.url + "/metrics").text
+    assert len(text) < size + 2000 and 'endpoint="other",status="404"' in text and "zzzz" not in text
+
+
+def test_openai_defaults_pass_and_wrong_types_do_not(slow):
+    ok = {"model": NAME, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2}
+    for extra in [{"temperature": None, "top_p": None, "stream": None}, {"response_format": {"type": "text"}},
+                  {"store": False}, {"metadata": {}}, {"tool_choice": "none"}, {"n": 1}, {"logprobs": False},
+                  {"temperature": 1e-40}, {"temperature": 5e-324, "seed": 3}]:  # fmt: skip
+        r = httpx.post(slow.url + "/v1/chat/completions", json={**ok, **extra}, timeout=30)
+        assert r.status_code == 200, (extra, r.text)
+    for extra, param in [({"max_tokens": "4"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+                         ({"temperature": "1"}, "temperature"), ({"stream": "yes"}, "stream"),
+                         ({"seed": 2**70}, "seed"), ({"n": 2}, "'n' is not supported"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")]:  # fmt: skip
+        r = httpx.post(slow.url + "/v1/chat/completions", json={**ok, **extra}, timeout=30)
+        assert r.status_code == 400 and param in r.json()["error"]["message"], (extra, r.text)
+
+
+def test_bad_unicode_is_a_400_and_any_500_is_an_openai_body(slow):
+    body = '{"model": "tiny", "prompt": "a \\ud800 b", "max_tokens": 2}'
+    r = httpx.post(slow.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
+
+
+def test_head_on_get_routes_and_allow_on_405(slow):
+    for path in ("/health", "/v1/models", "/metrics"):
+        assert httpx.head(slow.url + path).status_code == 200, path
+    r = httpx.post(slow.url + "/health")
+    assert r.status_code == 405 and "GET" in r.headers["allow"] and r.json()["error"]["code"] == "405"
+
+
+def test_echoed_values_are_cut_short(slow):
+    r = httpx.post(slow.url + "/v1/completions", json={"model": "m" * 500_000, "prompt": "the"})  # under the limit
+    assert r.status_code == 400 and len(r.text) < 1000 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(slow.url + "/v1/completions", json={"model": NAME, "prompt": "the", "k" * 5000: 1})
+    assert r.status_code == 400 and len(r.text) < 1000
+
+
+def test_a_dead_worker_makes_health_503_and_requests_fail_fast(tiny_model_dir):
+    live = LiveServer(tiny_engine(tiny_model_dir, "none"))
+    try:
+        worker = live.app.state.worker
+        worker.jobs.put(None)  # the worker thread ends, as it would on a crash
+        worker.thread.join(timeout=10)
+        assert httpx.get(live.url + "/health").status_code == 503
+        t0 = time.perf_counter()
+        r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "the", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_dead" and time.perf_counter() - t0 < 1
+    finally:
+        live.close()
+
+
+def test_cli_bad_files_and_numbers_are_one_line(capsys, tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    base = ["generate", "--prompt", "the cat", "--max-new-tokens", "2"]
+    for argv, message in [
+        ([*base, "--model", str(broken)], "cannot load model"),
+        ([*base, "--model", str(tiny_model_dir), "--drafter", "medusa", "--heads", str(tiny_model_dir)],
+         "is not a heads checkpoint"),
+        ([*base, "--model", str(tiny_model_dir), "--seed", str(2**70)], "--seed"),
+        ([*base, "--model", str(tiny_model_dir), "--temperature", "1e-40"], None),  # greedy, not a traceback
+    ]:  # fmt: skip
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        if message is None:
+            assert code == 0, err
+        else:
+            assert code == 2 and message in err and len(err.strip().splitlines()[-1]) < 400, err
+
+
+def test_served_model_name_is_never_a_path():
+    from headstart.cli import served_name
+
+    assert served_name("/home/me/models/Qwen2-0.5B/", None) == "Qwen2-0.5B"
+    assert served_name("weights/model-q4.gguf", None) == "model-q4"
+    assert served_name("smollm2-135m-instruct", None) == "smollm2-135m-instruct"
+    assert served_name("/x/y", "mine") == "mine"
+
+
+def test_port_is_free_again(slow):
+    """The module's server still answers after everything above (nothing crashed it)."""
+    assert httpx.get(slow.url + "/health").json()["status"] == "ok"
+    with socket.create_connection(("127.0.0.1", int(slow.url.rsplit(":", 1)[1])), timeout=5):
+        pass
