@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
     lt.add_argument("--out", default=None, help="also write the results as JSON here")
+    lt.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                    help="instead: a soak of valid, malformed, disconnecting and oversized requests from --clients "
+                    "clients (one level) for SECONDS; counts by kind and status, /health p99, server RSS")  # fmt: skip
 
     ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
     ck.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
@@ -346,6 +349,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
     except (httpx.HTTPError, ValueError) as e:
         raise UserError(f"no headstart server at {args.url}: {e}") from e
+    if args.soak is not None:
+        result = loadtest.soak(args.url, health["model"], prompts, args.soak, max(levels))
+        print(json.dumps(result, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"server": health, "soak": result}, indent=2))
+        return 0
     rows = [loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens)
             for c in levels]  # fmt: skip
     print(loadtest.markdown(rows, health["drafter"]))

@@ -194,3 +194,17 @@ def test_port_is_free_again(slow):
     assert httpx.get(slow.url + "/health").json()["status"] == "ok"
     with socket.create_connection(("127.0.0.1", int(slow.url.rsplit(":", 1)[1])), timeout=5):
         pass
+
+
+def test_soak_mix_runs_and_counts_every_kind(tiny_model_dir, tmp_path, capsys):
+    """`headstart loadtest --soak` for a few seconds against the tiny model: no 5xx, every kind counted."""
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "1", "turns": ["the cat sat on the mat"]}) + "\n")
+    try:
+        assert main(["loadtest", "--url", live.url, "--soak", "6", "--clients", "4", "--prompts", str(prompts)]) == 0
+    finally:
+        live.close()
+    result = json.loads(capsys.readouterr().out)
+    assert result["status_5xx"] == 0 and result["served_200"] > 0 and result["rss_end_mb"] > 0
+    assert not [k for k in result["by_kind_and_status"] if "client error" in k]

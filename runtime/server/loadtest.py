@@ -83,3 +83,88 @@ def markdown(rows: list[dict], drafter: str) -> str:
     for r in rows:
         lines.append(f"| {drafter} | " + " | ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS) + " |")
     return "\n".join(lines)
+
+
+# What a soak client sends, with the status it must get (200 for the valid kinds).
+SOAK_KINDS = ("chat", "stream", "completion", "malformed_json", "wrong_type", "unknown_param", "bad_model",
+              "disconnect", "oversized")  # fmt: skip
+
+
+def soak_request(client: httpx.Client, kind: str, model: str, prompt: str, rng) -> int:
+    """One request of `kind`; its HTTP status (499 for a client that left on purpose)."""
+    chat = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(8, 48),
+            "temperature": rng.choice([0, 0.7, 1.0])}  # fmt: skip
+    if kind == "stream":
+        with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            for _ in r.iter_lines():
+                pass
+            return r.status_code
+    if kind == "disconnect":  # a long request whose client gives up after a moment
+        try:
+            client.post("/v1/chat/completions", json={**chat, "max_tokens": 400}, timeout=rng.uniform(0.2, 1.5))
+        except httpx.TimeoutException:
+            return 499
+        return 200
+    bodies = {
+        "chat": ("/v1/chat/completions", json.dumps(chat)),
+        "completion": ("/v1/completions", json.dumps({"model": model, "prompt": prompt, "max_tokens": 16})),
+        "malformed_json": ("/v1/chat/completions", '{"model": "' + model + '", "messages": [}'),
+        "wrong_type": ("/v1/chat/completions", json.dumps({**chat, "max_tokens": "16"})),
+        "unknown_param": ("/v1/chat/completions", json.dumps({**chat, "frobnicate": 1})),
+        "bad_model": ("/v1/chat/completions", json.dumps({**chat, "model": "x" * 10_000})),
+        "oversized": ("/v1/completions", json.dumps({"model": model, "prompt": "y" * (6 << 20)})),
+    }
+    path, body = bodies[kind]
+    return client.post(path, content=body, headers={"content-type": "application/json"}).status_code
+
+
+def soak(url: str, model: str, prompts: list[str], seconds: float, clients: int, seed: int = 0) -> dict:
+    """`clients` threads send a random mix of SOAK_KINDS for `seconds` while /health is polled; counts by kind and
+    status, /health latency, the server's resident memory (from /metrics) at the start and the end."""
+    import random
+    import threading
+    from collections import Counter
+
+    def rss() -> float:
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith("process_resident_memory_bytes "):
+                return float(line.split()[1]) / 2**20
+        return float("nan")
+
+    counts: Counter = Counter()
+    health: list[float] = []
+    stop = time.perf_counter() + seconds
+    rss_start = rss()
+
+    def client_loop(c: int) -> None:
+        rng = random.Random(seed * 1000 + c)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            while time.perf_counter() < stop:
+                kind = rng.choice(SOAK_KINDS)
+                try:
+                    status = soak_request(client, kind, model, rng.choice(prompts), rng)
+                except httpx.HTTPError as e:
+                    status = f"client error {type(e).__name__}"
+                counts[(kind, status)] += 1
+
+    def health_loop() -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                client.get("/health")
+                health.append(time.perf_counter() - t0)
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
+    threads.append(threading.Thread(target=health_loop))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    by_kind = {f"{kind} {status}": n for (kind, status), n in sorted(counts.items(), key=str)}
+    served = sum(n for (_, s), n in counts.items() if s == 200)
+    errors = sum(n for (_, s), n in counts.items() if isinstance(s, int) and s >= 500)
+    latency = {"health_p50_ms": 1e3 * percentile(health, 0.5), "health_p99_ms": 1e3 * percentile(health, 0.99)}
+    return {"seconds": seconds, "clients": clients, "requests": sum(counts.values()), "served_200": served,
+            "status_5xx": errors, "by_kind_and_status": by_kind, **latency, "rss_start_mb": rss_start,
+            "rss_end_mb": rss()}  # fmt: skip

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from headstart.runtime.generate import GenerationStats
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 # The label of every path the server routes; any other path (a scanner's, a typo) counts as "other", so the
 # label set, and /metrics with it, stays bounded whatever clients send.
@@ -18,6 +18,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
         self.requests = Counter("headstart_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)  # fmt: skip
         self.tokens = Counter("headstart_generated_tokens", "tokens generated", registry=r)
