@@ -14,10 +14,11 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from headstart.heads.eagle import EagleHead
-from headstart.heads.medusa import MedusaHeads
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from headstart.heads.eagle import EagleHead
+from headstart.heads.medusa import MedusaHeads
 
 KINDS = ("medusa", "eagle")
 SHIPPED = Path(str(resources.files("headstart.heads") / "trained"))  # heads this project trained and ships

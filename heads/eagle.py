@@ -19,9 +19,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-from headstart.heads.vocab import DraftReadout
 from torch import nn
 from transformers import PretrainedConfig
+
+from headstart.heads.vocab import DraftReadout
 
 
 class EagleHead(nn.Module):

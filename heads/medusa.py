@@ -9,8 +9,9 @@ lm_head unless `own_lm_head` (then a trainable copy per head, initialised from t
 from __future__ import annotations
 
 import torch
-from headstart.heads.vocab import DraftReadout
 from torch import nn
+
+from headstart.heads.vocab import DraftReadout
 
 
 class ResBlock(nn.Module):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from headstart.runtime.sampling import SamplingParams, target_probs
 from headstart.runtime.tree import DraftTree
 

@@ -14,6 +14,7 @@ branch; the masks keep the attention exact instead.
 from __future__ import annotations
 
 import torch
+
 from headstart.runtime.tree import additive_mask
 
 MaskArg = torch.Tensor | dict[str, torch.Tensor]

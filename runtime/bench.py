@@ -19,13 +19,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import option_names, parse_spec
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import GenerationStats
 from headstart.runtime.prompts import load_prompts
 from headstart.runtime.sampling import SamplingParams
-from tqdm import tqdm
 
 HF_METHODS = ("hf", "hf-lookup")  # transformers' own generate, for reference
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from headstart.runtime import bench
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.engine import Engine

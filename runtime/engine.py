@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.generate import GenerationStats, stream
@@ -24,7 +26,6 @@ from headstart.runtime.models import DEFAULT_MODEL, load_model
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.text import TextDecoder
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache, PreTrainedModel
+
 from headstart.runtime.attention import AttentionLayout
 from headstart.runtime.tree import DraftTree, tree_visibility
-from transformers import DynamicCache, PreTrainedModel
 
 
 @dataclass

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
 from headstart.runtime.sampling import SamplingParams, target_probs
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from helpers.drafters import drafter_setup
 from helpers.models import WORDS, tiny_llama, tiny_tokenizer
 

@@ -22,6 +22,7 @@ from functools import cache
 
 import pytest
 import torch
+
 from headstart.runtime.accept import accept_path
 from headstart.runtime.sampling import Sampler, SamplingParams, target_probs
 from headstart.runtime.tree import DraftTree

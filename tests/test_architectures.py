@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from transformers import AutoTokenizer
+
 from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.train.losses import eagle_loss, medusa_loss
 from helpers.exactness import assert_greedy_identity, random_heads
 from helpers.models import tiny_tokenizer
-from transformers import AutoTokenizer
 
 WINDOW = 16
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

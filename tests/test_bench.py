@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from headstart.runtime import bench
-from headstart.runtime.engine import Engine
 
 from headstart.cli import main
+from headstart.runtime import bench
+from headstart.runtime.engine import Engine
 
 
 def test_bench_records_and_tables(tiny_model_dir, tmp_path):

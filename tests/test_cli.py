@@ -25,7 +25,7 @@ def run_cli(capsys, *argv):
         (["--model", "/no/such/file.gguf", "--prompt", "hi"], "GGUF file not found"),
         (["--prompt", "   "], "empty --prompt"),
         (["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
-        (["--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--prompt", "hi", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--prompt", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--prompt", "hi", "--top-k", "-2"], "--top-k must be >= 0"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headstart.runtime.drafters.registry import names
 from headstart.runtime.generate import stream
 from headstart.runtime.sampling import SamplingParams

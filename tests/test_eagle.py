@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from headstart.runtime.drafters.eagle import EagleDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.target import Target

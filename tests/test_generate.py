@@ -5,6 +5,7 @@ Exactness of every drafter: tests/test_drafter_contract.py."""
 from __future__ import annotations
 
 import pytest
+
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.engine import Engine
 from headstart.runtime.target import Target

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headstart.heads.checkpoint import HeadsMismatchError, build_heads, load_heads, save_heads, target_fingerprint
 from headstart.heads.eagle import EagleHead
 from headstart.heads.medusa import MedusaHeads

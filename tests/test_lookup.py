@@ -1,6 +1,7 @@
 """Prompt lookup: the branches it finds and the tree it builds, on hand-made contexts."""
 
 import torch
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.lookup import LookupDrafter, build_trie

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from headstart.heads.checkpoint import build_heads
 from headstart.runtime.drafters.medusa import MedusaDrafter
 from headstart.runtime.tree import choose_tree_shape, expected_acceptance_length

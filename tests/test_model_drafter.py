@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.model import ModelDrafter, TokenizerMismatchError, check_same_tokenizer, layerskip_model
 from headstart.runtime.drafters.options import TreeOptions

@@ -9,9 +9,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-from headstart.train.config import load_config
 
 from headstart.cli import build_parser, main
+from headstart.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from headstart.runtime.drafters.options import EagleOptions, LookupOptions, MedusaOptions
 from headstart.runtime.drafters.registry import DrafterSpec, make_drafter, names, option_names, parse_spec, resolve
 

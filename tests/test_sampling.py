@@ -2,13 +2,14 @@
 
 import pytest
 import torch
-from headstart.runtime.sampling import SamplingParams, target_probs
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from headstart.runtime.sampling import SamplingParams, target_probs
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.8, 10, 0.5)])

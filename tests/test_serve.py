@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers.server import NAME, LiveServer, tiny_engine
 
 from headstart.cli import main
+from helpers.server import NAME, LiveServer, tiny_engine
 
 PROMPTS = ["the cat sat on", "a dog ran far", "one two three", "red blue green and", "then it was good"]
 

@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
-from helpers.server import NAME, LiveServer, tiny_engine
 
 from headstart.cli import main
+from helpers.server import NAME, LiveServer, tiny_engine
 
 STORY = {"model": NAME, "prompt": "the cat", "max_tokens": 400, "temperature": 1}
 

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from helpers.models import ACCELERATE_LAUNCH
 
 pytestmark = pytest.mark.model

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from headstart.runtime.engine import Engine
 from headstart.runtime.profiles import PROFILES
 from headstart.runtime.prompts import load_prompts

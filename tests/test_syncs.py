@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+
 from headstart.runtime.drafters.registry import names
 from headstart.runtime.generate import stream
 from headstart.runtime.sampling import SamplingParams

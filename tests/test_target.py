@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 from helpers.models import tiny_llama

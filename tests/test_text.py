@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from headstart.runtime.text import StopMatcher, TextDecoder
 from helpers.models import WORDS, tiny_tokenizer
 
@@ -65,8 +66,9 @@ def test_decoder_cuts_before_the_first_stop_string(stop):
 def test_multibyte_characters_stream_whole_with_the_real_tokenizer():
     """SmolLM2's byte-level BPE splits an emoji or a CJK character over several tokens: no replacement
     character is ever shown, and the text equals the full decode."""
-    from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
     from transformers import AutoTokenizer
+
+    from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL), local_files_only=True)
     ids = tokenizer("Grüße 🙂 und 日本語 — déjà vu 🚀!").input_ids

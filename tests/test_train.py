@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from headstart.heads.checkpoint import load_heads
 from headstart.runtime.prompts import load_prompts
 from headstart.train import heads as train_heads
@@ -17,7 +19,6 @@ from headstart.train.losses import eagle_unroll, head_metrics, medusa_labels, un
 from helpers.models import ACCELERATE_LAUNCH, WORDS
 from helpers.pinned import fixed_batch_losses, load_pinned
 from helpers.training import make_cfg, write_shards
-from safetensors.torch import load_file
 
 
 def test_medusa_label_shift_by_hand():
@@ -58,9 +59,10 @@ def test_unroll_mask_drawn_out():
 def test_unroll_matches_drafting_step_by_step():
     """out_k[s] of eagle_unroll = the head run as the drafter runs it: true pairs up to the root
     r = s - k + 1 in its cache, then one call per step on its own previous output."""
+    from transformers import DynamicCache
+
     from headstart.heads.checkpoint import build_heads
     from helpers.models import tiny_llama
-    from transformers import DynamicCache
 
     model = tiny_llama(vocab_size=64)
     torch.manual_seed(0)
@@ -162,6 +164,7 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
 
 def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_model_dir):
     from accelerate import Accelerator
+
     from headstart.train.data import load_rows
 
     train_heads.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle", **{"heads.draft_vocab": 8}))

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
+
 from headstart.runtime.attention import AttentionLayout
 from headstart.runtime.tree import DraftTree, TreeGrower, additive_mask, tree_visibility
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from headstart.runtime.prompts import Prompt
 from headstart.train.config import ensure_writable_dir
-from tqdm import tqdm
 
 
 def _repair_and_read_done(out: Path) -> set[str]:

@@ -16,9 +16,10 @@ import os
 from pathlib import Path
 
 import torch
-from headstart.train.data import Row, collate, make_batches
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from headstart.train.data import Row, collate, make_batches
 
 CHUNK = 256  # rows per file
 

@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
 from headstart.heads.vocab import frequent_tokens
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
 from headstart.train.features import FeatureCache, final_features
 from headstart.train.losses import eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
-from torch import nn
 
 EVAL_TOPK = 5
 RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
@@ -39,8 +40,9 @@ def load_target(cfg: TrainConfig):
     from headstart.runtime.models import DEFAULT_MODEL, load_model
 
     if cfg.target.model == "tiny":
-        from headstart.runtime.models import resolve_model_dir
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        from headstart.runtime.models import resolve_model_dir
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL), local_files_only=True)
         torch.manual_seed(cfg.seed)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from headstart.heads.eagle import EagleHead
 from headstart.runtime.tree import additive_mask
-from torch import nn
 
 
 def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

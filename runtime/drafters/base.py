@@ -9,6 +9,7 @@ A drafter serves one sequence at a time: build one per concurrent decode (`regis
 from __future__ import annotations
 
 import torch
+
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree
 

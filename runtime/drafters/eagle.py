@@ -24,13 +24,14 @@ which tokens are proposed.
 from __future__ import annotations
 
 import torch
+from torch import nn
+from transformers import DynamicCache
+
 from headstart.heads.eagle import EagleHead
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
-from torch import nn
-from transformers import DynamicCache
 
 
 class EagleDrafter(SamplingDrafter):

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree

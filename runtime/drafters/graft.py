@@ -15,6 +15,7 @@ long as the proposals do not depend on the target's draws: lookup reads only the
 from __future__ import annotations
 
 import torch
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.lookup import LookupDrafter, build_trie
 from headstart.runtime.drafters.options import GraftOptions

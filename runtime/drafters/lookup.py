@@ -8,6 +8,7 @@ prefix are merged into one tree. Every node is a deterministic guess (a point-ma
 from __future__ import annotations
 
 import torch
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.options import LookupOptions
 from headstart.runtime.tree import DraftTree

@@ -14,11 +14,12 @@ Heads trained with a reduced draft vocabulary score only its tokens (`heads.voca
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from headstart.heads.medusa import MedusaHeads
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, choose_tree_shape
-from torch import nn
 
 
 class MedusaDrafter(SamplingDrafter):

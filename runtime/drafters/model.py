@@ -24,12 +24,13 @@ import copy
 import itertools
 
 import torch
+from torch import nn
+from transformers import DynamicCache
+
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import TreeOptions
 from headstart.runtime.sampling import SamplingParams, target_probs
 from headstart.runtime.tree import DraftTree, TreeGrower, additive_mask
-from torch import nn
-from transformers import DynamicCache
 
 
 class TokenizerMismatchError(ValueError):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from headstart.runtime.engine import Engine
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.server.metrics import ServerMetrics, path_label
@@ -35,7 +37,6 @@ from headstart.runtime.server.schema import (
     usage,
 )
 from headstart.runtime.server.worker import Job, QueueFullError, Worker, WorkerDeadError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 @dataclass

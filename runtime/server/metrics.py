@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from headstart.runtime.generate import GenerationStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from headstart.runtime.generate import GenerationStats
 
 # The label of every path the server routes; any other path (a scanner's, a typo) counts as "other", so the
 # label set, and /metrics with it, stays bounded whatever clients send.

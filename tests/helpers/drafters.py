@@ -12,7 +12,6 @@ from pathlib import Path
 from headstart.heads.checkpoint import save_heads, target_fingerprint
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
-
 from helpers.exactness import random_heads, sampling_model
 from helpers.models import WORDS, tiny_tokenizer
 

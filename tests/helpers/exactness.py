@@ -6,11 +6,11 @@ from __future__ import annotations
 import itertools
 
 import torch
+
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.sampling import SamplingParams, target_probs
 from headstart.runtime.target import Target
-
 from helpers.models import tiny_llama
 from helpers.stats import chi_square_pvalue
 
@@ -84,7 +84,6 @@ def assert_first_three_follow_target(
 def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10, **overrides):
     """Heads trained for a few steps on synthetic distilled rows; returns the heads directory."""
     from headstart.train import heads as train_heads
-
     from helpers.training import make_cfg
 
     train_heads.run(make_cfg(tmp_path, model_dir, kind, **{"optim.max_steps": steps, **overrides}))

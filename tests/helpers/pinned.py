@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 
 import torch
+
 from headstart.heads.checkpoint import build_heads
 from headstart.train.losses import eagle_loss, medusa_loss
-
 from helpers.models import tiny_llama
 
 PINNED_FILE = Path(__file__).resolve().parents[1] / "pinned_losses.json"

@@ -8,11 +8,12 @@ import time
 
 import httpx
 import uvicorn
+from openai import OpenAI
+
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.engine import Engine
 from headstart.runtime.models import load_model
 from headstart.runtime.server.app import ServeConfig, build_app
-from openai import OpenAI
 
 NAME = "tiny"
 

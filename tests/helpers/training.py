@@ -6,7 +6,6 @@ import json
 import random
 
 from headstart.train.config import load_config
-
 from helpers.models import WORDS
 
 
