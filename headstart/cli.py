@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
     ds.add_argument("--batch-size", type=int, default=16)
+    ds.add_argument("--engine", default=None, metavar="URL",
+                    help="answer on this OpenAI-compatible server (vLLM, SGLang, headstart serve), not locally; "
+                    "--model is the target it must serve (checked on a probe prompt)")  # fmt: skip
+    ds.add_argument("--concurrency", type=_at_least_one, default=16, help="--engine: requests in flight")
+    ds.add_argument("--retries", type=int, default=5, help="--engine: retries of a failed request, with backoff")
+    ds.add_argument(
+        "--no-model-check", action="store_true", help="--engine: skip the probe that the server serves --model"
+    )
     ds.add_argument("--seed", type=_seed, default=0)
 
     r = sub.add_parser("report", help="per-head training curves of several runs in one PNG")
@@ -371,14 +379,23 @@ def cmd_distill(args: argparse.Namespace) -> int:
     _sampling(args.temperature)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--batch-size and --limit must be >= 1")
+    if args.retries < 0:
+        raise UserError(f"--retries must be >= 0, got {args.retries}")
     if args.derive is None:
         prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
                                skip_malformed=True)  # fmt: skip
     model, tokenizer = load_model(args.model, args.dtype, args.device)
     if args.derive is not None:
         prompts = derived_prompts(args.derive, args.out, tokenizer, args.limit or 1000)
-    stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
-                    seed=args.seed)  # fmt: skip
+    if args.engine:
+        from headstart.train.engine import distill_with_engine
+
+        stats = distill_with_engine(args.engine, model, tokenizer, prompts, args.out, args.max_new_tokens,
+                                    args.temperature, args.concurrency, args.seed, args.retries,
+                                    check_model=not args.no_model_check)  # fmt: skip
+    else:
+        stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
+                        seed=args.seed)  # fmt: skip
     print(
         f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
         f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s",

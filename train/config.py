@@ -41,6 +41,8 @@ class DataConfig:
     distill_prompts: str = ""  # if set and `path` holds no shards: distill these prompts first
     distill_limit: int = 256  # rows to distill then
     distill_max_new_tokens: int = 64
+    engine: str = ""  # distill on this OpenAI-compatible server (vLLM, SGLang, headstart serve); "" = locally
+    engine_concurrency: int = 16  # requests in flight on the engine
     eval_rows: int = 64  # held-out rows (chosen by a hash of their tokens), never trained on
     max_len: int = 512  # tokens per row (prompt + response), longer rows are cut
     batch_tokens: int = 4096  # tokens per micro-batch, rows bucketed by length to waste little on padding

@@ -29,17 +29,43 @@ from headstart.runtime.prompts import Prompt
 from headstart.train.config import ensure_writable_dir
 
 
-def _repair_and_read_done(out: Path) -> set[str]:
-    """Ids already written; a last line cut by a kill is removed."""
-    done: set[str] = set()
-    for shard in sorted(out.glob("shard-*.jsonl")):
-        data = shard.read_bytes()
-        if data and not data.endswith(b"\n"):
-            data = data[: data.rfind(b"\n") + 1]
-            shard.write_bytes(data)
-        for line in data.decode().splitlines():
-            done.add(json.loads(line)["id"])
-    return done
+class Shards:
+    """The JSONL shards of a distillation folder: the ids already answered, and appending new rows.
+
+    Opening repairs a last line cut by a kill; every append is flushed to disk before it returns, so a
+    run killed at any point and started again neither repeats nor loses a row.
+    """
+
+    def __init__(self, out: str | Path, rows_per_shard: int = 1000) -> None:
+        self.out, self.rows_per_shard = ensure_writable_dir(out), rows_per_shard
+        self.done: set[str] = set()
+        for shard in sorted(self.out.glob("shard-*.jsonl")):
+            data = shard.read_bytes()
+            if data and not data.endswith(b"\n"):
+                data = data[: data.rfind(b"\n") + 1]
+                shard.write_bytes(data)
+            for line in data.decode().splitlines():
+                self.done.add(json.loads(line)["id"])
+
+    def append(self, rows: list[dict]) -> None:
+        """Rows `{"id", "category", "prompt_ids", "response_ids"}`, written and synced to disk."""
+        shard = self.out / f"shard-{len(self.done) // self.rows_per_shard:05d}.jsonl"
+        with shard.open("a") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        self.done.update(row["id"] for row in rows)
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """One user turn under the model's chat template, ready for the assistant's answer (what training reads)."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True)["input_ids"])  # fmt: skip
+
+
+def cut_at_eos(ids: list[int], eos_ids) -> list[int]:
+    """`ids` up to and including the first end-of-sequence token."""
+    return ids[: next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids))]
 
 
 def _summary_text(text: str, n_tokens: int) -> str | None:
@@ -159,20 +185,14 @@ def distill(
     """Answer every prompt not answered yet; returns throughput figures."""
     import torch  # here, not at the top: `headstart --help` reads DERIVED without loading torch
 
-    out = ensure_writable_dir(out)
-    done = _repair_and_read_done(out)
-    todo = [p for p in prompts if p.id not in done]
+    shards = Shards(out, rows_per_shard)
+    todo = [p for p in prompts if p.id not in shards.done]
     # Similar lengths together: less left padding per batch. The order is fixed by the prompt list.
-    encoded = {
-        p.id: tokenizer.apply_chat_template(
-            [{"role": "user", "content": p.text}], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
-        for p in todo
-    }
+    encoded = {p.id: chat_prompt_ids(tokenizer, p.text) for p in todo}
     todo.sort(key=lambda p: len(encoded[p.id]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
-    n_written = len(done)
+    eos_ids = eos if isinstance(eos, list) else [eos]
     new_tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="distill", unit="row", dynamic_ncols=True)
     for batch in _batches(todo, batch_size):
@@ -181,24 +201,16 @@ def distill(
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
         kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
-        torch.manual_seed(seed + n_written)
+        torch.manual_seed(seed + len(shards.done))
         gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
-        lines = []
-        for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True):
-            eos_ids = eos if isinstance(eos, list) else [eos]
-            cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-            response = row[:cut]
-            new_tokens += len(response)
-            lines.append(json.dumps({"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": response}))
-        shard = out / f"shard-{n_written // rows_per_shard:05d}.jsonl"
-        with shard.open("a") as f:  # one write per batch, flushed to disk before the next batch
-            f.write("\n".join(lines) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        n_written += len(batch)
+        rows = [{"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": cut_at_eos(row, eos_ids)}
+                for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True)]  # fmt: skip
+        shards.append(rows)  # one write per batch, on disk before the next batch
+        new_tokens += sum(len(r["response_ids"]) for r in rows)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     seconds = time.perf_counter() - t0
+    n_written = len(shards.done)
     return {"rows": n_written, "new_rows": len(todo), "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_s": new_tokens / seconds if seconds else 0.0}  # fmt: skip

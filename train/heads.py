@@ -370,7 +370,13 @@ def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
         prompts = load_prompts(
             cfg.data.distill_prompts, permissive_only=True, limit=cfg.data.distill_limit, skip_malformed=True
         )
-        distill(model, tokenizer, prompts, cfg.data.path, max_new_tokens=cfg.data.distill_max_new_tokens)
+        if cfg.data.engine:
+            from headstart.train.engine import distill_with_engine
+
+            distill_with_engine(cfg.data.engine, model, tokenizer, prompts, cfg.data.path,
+                                cfg.data.distill_max_new_tokens, concurrency=cfg.data.engine_concurrency)  # fmt: skip
+        else:
+            distill(model, tokenizer, prompts, cfg.data.path, max_new_tokens=cfg.data.distill_max_new_tokens)
     accelerator.wait_for_everyone()
 
 

@@ -264,8 +264,9 @@ def build_app(engine: Engine, config: ServeConfig) -> BodyLimit:
             left.cancel()
         metrics.requests.labels(endpoint=path_label(path), status="200").inc()
         metrics.prompt_tokens.inc(len(prompt_ids))
+        token_ids = job.token_ids if body.return_token_ids else None
         return JSONResponse({
-            **head, "choices": [choice(chat, "".join(parts), value)],
+            **head, "choices": [choice(chat, "".join(parts), value, token_ids=token_ids)],
             "usage": usage(len(prompt_ids), job.stats.new_tokens), "headstart": extra(),
         })  # fmt: skip
 

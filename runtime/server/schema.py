@@ -92,6 +92,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
+    return_token_ids: StrictBool | None = None  # vLLM's extension: the choice also carries the generated token ids
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -168,8 +169,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def choice(chat: bool, text: str | None, finish: str | None, first: bool = False, stream: bool = False) -> dict:
-    """One entry of `choices`: a message (chat), a delta (chat stream) or a text (completions)."""
+def choice(chat: bool, text: str | None, finish: str | None, first: bool = False, stream: bool = False,
+           token_ids: list[int] | None = None) -> dict:  # fmt: skip
+    """One entry of `choices`: a message (chat), a delta (chat stream) or a text (completions); with `token_ids`
+    (asked for by `return_token_ids`) the generated ids too."""
     out: dict = {"index": 0}
     if chat and stream:
         delta = {"role": "assistant", "content": ""} if first else {}
@@ -182,4 +185,6 @@ def choice(chat: bool, text: str | None, finish: str | None, first: bool = False
         out["text"] = text or ""
     out["logprobs"] = None
     out["finish_reason"] = finish
+    if token_ids is not None:
+        out["token_ids"] = token_ids
     return out

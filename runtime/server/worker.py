@@ -44,6 +44,7 @@ class Job:
     first_token_s: float | None = None  # arrival to first generated token
     stats: GenerationStats = field(default_factory=GenerationStats)
     timed_out: bool = False
+    token_ids: list[int] = field(default_factory=list)  # generated so far (cut at a stop string)
 
     def send(self, kind: str, value: str) -> None:
         """From the worker thread: hand one event to the handler's event loop."""
@@ -147,6 +148,7 @@ class Worker:
             if job.first_token_s is None and chunk.tokens:
                 job.first_token_s = time.perf_counter() - job.arrived
                 self.metrics.ttft.observe(job.first_token_s)
+            job.token_ids += chunk.tokens
             if chunk.text:
                 job.send("delta", chunk.text)
             if job.cancelled.is_set():
