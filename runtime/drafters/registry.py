@@ -221,7 +221,7 @@ def resolve(spec: str | DrafterSpec, profile: str | None = None, **options: Any)
         groups.update(lookup=LookupOptions, graft=GraftOptions)
     resolved = {}
     for group, cls in groups.items():
-        keys = _fields(cls) if group == "inner" else [k for k in _fields(cls) if k != "budget" or group != "lookup"]
+        keys = [k for k in _fields(cls) if not (group == "lookup" and k == "budget")]  # a graft's budget is its own
         resolved[group] = cls(**{k: v for k, v in values.items() if k in keys})
         values = {k: v for k, v in values.items() if k not in keys}
     return resolved
