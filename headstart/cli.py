@@ -97,10 +97,14 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _flag_values(args: argparse.Namespace, keys) -> dict:
+    """{option: the value of its flag (FLAGS), None where the subcommand has no such flag or it was not given}."""
+    return {key: getattr(args, FLAGS[key][2:].replace("-", "_"), None) for key in keys}
+
+
 def _drafter_options(args: argparse.Namespace, spec: str) -> dict:
     """The drafter flags given on the command line, as options of `spec`; a flag it does not take is an error."""
-    options = {key: getattr(args, flag[2:].replace("-", "_"), None) for key, flag in FLAGS.items()}
-    options = {k: v for k, v in options.items() if v is not None}
+    options = {k: v for k, v in _flag_values(args, FLAGS).items() if v is not None}
     refused = [FLAGS[k] for k in options if k not in option_names(spec)]
     if refused:
         raise UserError(f"--drafter {spec} does not take {', '.join(refused)}")
@@ -441,8 +445,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     prompts = _bench_prompts(args.prompts)
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    options = {key: getattr(args, flag[2:].replace("-", "_"), None) for key, flag in FLAGS.items()
-               if key not in ("heads", "budget")}  # fmt: skip
+    options = _flag_values(args, [k for k in FLAGS if k not in ("heads", "budget")])
     options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
     bench.method_options(methods, options)  # every method and option checked before the model loads
     engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile)

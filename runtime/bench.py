@@ -24,7 +24,7 @@ from tqdm import tqdm
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import option_names, parse_spec
 from headstart.runtime.engine import Engine
-from headstart.runtime.generate import GenerationStats
+from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.prompts import load_prompts
 from headstart.runtime.sampling import SamplingParams
 
@@ -49,10 +49,11 @@ class Record:
 
 
 def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
+    """The decode loop itself (no detokenising: that is not what the methods differ in)."""
     stats = GenerationStats()
     t0 = time.perf_counter()
-    tokens = [t for chunk in engine.stream(ids, sampling, max_new, seed, stats=stats, drafter=drafter)
-              for t in chunk.tokens]  # fmt: skip
+    rounds = stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats)
+    tokens = [t for chunk in rounds for t in chunk.tokens]
     seconds = time.perf_counter() - t0
     rounds = max(stats.target_passes, 1)
     return tokens, seconds, stats.target_passes, 1e3 * stats.draft_s / rounds, 1e3 * stats.verify_s / rounds

@@ -20,8 +20,8 @@ from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.engine import Engine
 from headstart.runtime.prompts import load_prompts
 
-DRAFTERS = {"none": {}, "lookup": {}, "medusa": {}, "eagle": {}, "eagle+lookup": {}, "layerskip": {"draft_layers": 8},
-            "model": {}}  # fmt: skip
+DRAFTERS = ("none", "lookup", "medusa", "eagle", "eagle+lookup", "layerskip", "model")
+DRAFT_LAYERS = 8  # layerskip drafts with the target's first 8 layers; the model drafter with them saved apart
 BENCH_METHODS = ["plain", "lookup", "medusa+lookup", "eagle", "eagle+lookup"]
 
 
@@ -32,12 +32,13 @@ def check_identity(model_name: str, device: str, prompts: list[str], max_new_tok
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         draft = Path(tmp) / "draft"  # the model drafter: the target's first 8 layers as a model of their own
-        layerskip_model(model, list(range(8))).save_pretrained(draft)
+        layerskip_model(model, list(range(DRAFT_LAYERS))).save_pretrained(draft)
         engine.tokenizer.save_pretrained(draft)
         encoded = [engine.encode(p) for p in prompts]
         reference = [_generate(model, ids, max_new_tokens) for ids in encoded]
-        for name, options in DRAFTERS.items():
-            drafter = engine.make_drafter(name, **(options or ({"draft_model": str(draft)} if name == "model" else {})))
+        options = {"layerskip": {"draft_layers": DRAFT_LAYERS}, "model": {"draft_model": str(draft)}}
+        for name in DRAFTERS:
+            drafter = engine.make_drafter(name, **options.get(name, {}))
             same = sum(engine.generate(ids, max_new_tokens=max_new_tokens, drafter=drafter).token_ids == ref
                        for ids, ref in zip(encoded, reference, strict=True))  # fmt: skip
             results[name] = f"{same}/{len(prompts)}"

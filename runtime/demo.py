@@ -40,20 +40,20 @@ def _marks(tty: bool) -> tuple[str, str]:
 
 def _decode(engine: Engine, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int, mark: bool):
     """Stream one answer to stdout, accepted draft tokens marked; return (token ids, stats, seconds)."""
-    from headstart.runtime.generate import GenerationStats
+    from headstart.runtime.generate import GenerationStats, stream
     from headstart.runtime.text import TextDecoder
 
     on, off = _marks(sys.stdout.isatty())
     stats = GenerationStats()
-    marks = TextDecoder(engine.tokenizer)  # splits each round's text at its last accepted draft token
+    marks = TextDecoder(engine.tokenizer)  # the one detokeniser: splits each round at its last accepted draft token
     ids: list[int] = []
     t0 = time.perf_counter()
-    for chunk in engine.stream(prompt_ids, max_new_tokens=max_new_tokens, stats=stats, drafter=drafter):
+    for chunk in stream(engine.target, prompt_ids, drafter, None, max_new_tokens, engine.eos_ids, stats=stats):
         drafted = marks.push(chunk.tokens[: chunk.drafted])
-        rest = marks.push(chunk.tokens[chunk.drafted :]) if chunk.tokens else marks.finish()
+        rest = marks.push(chunk.tokens[chunk.drafted :])
         print(f"{on}{drafted}{off}" if mark and drafted.strip() else drafted, rest, sep="", end="", flush=True)
         ids += chunk.tokens
-    print()
+    print(marks.finish())
     return ids, stats, time.perf_counter() - t0
 
 

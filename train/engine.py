@@ -34,7 +34,7 @@ class EngineError(ValueError):
     """The server cannot be used (unreachable after retries, another model, a refusal): one line for the user."""
 
 
-class Engine:
+class EngineClient:
     """An OpenAI-compatible completions endpoint, with retries."""
 
     def __init__(self, url: str, retries: int = 5, backoff_s: float = 0.5, timeout_s: float = 600) -> None:
@@ -88,7 +88,7 @@ def response_ids(choice: dict, tokenizer, eos_ids) -> list[int]:
     return ids
 
 
-def check_served_model(engine: Engine, model, tokenizer, eos_ids) -> None:
+def check_served_model(engine: EngineClient, model, tokenizer, eos_ids) -> None:
     """The served model must be the target: its greedy tokens on a probe prompt are the target's own."""
     import torch
 
@@ -112,7 +112,7 @@ def row_key(row_id: str) -> int:
 
 
 def distill_on_engine(
-    engine: Engine,
+    engine: EngineClient,
     tokenizer,
     eos_ids,
     prompts: list[Prompt],
@@ -166,7 +166,7 @@ def distill_with_engine(
     """Connect to the server at `url`, check it serves `model` (the target, loaded here), distill `prompts`."""
     eos = model.generation_config.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [tokenizer.eos_token_id])
-    engine = Engine(url, retries=retries)
+    engine = EngineClient(url, retries=retries)
     if check_model:
         check_served_model(engine, model, tokenizer, eos_ids)
     return distill_on_engine(engine, tokenizer, eos_ids, prompts, out, max_new_tokens, temperature, concurrency, seed)
