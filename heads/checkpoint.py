@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from headstart.heads.eagle import EagleHead
+from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.medusa import MedusaHeads
 
-KINDS = ("medusa", "eagle")
+KINDS = ("medusa", "eagle", "eagle3")
 SHIPPED = Path(str(resources.files("headstart.heads") / "trained"))  # heads this project trained and ships
 
 
@@ -79,6 +80,8 @@ def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
         return heads
     if kind == "eagle":
         return EagleHead.for_target(model, **options)
+    if kind == "eagle3":
+        return Eagle3Head.for_target(model, **options)
     raise ValueError(f"unknown head kind '{kind}': choose one of {', '.join(KINDS)}")
 
 
@@ -93,6 +96,8 @@ def save_heads(
     state = {k: _cast(v.detach(), dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(state, directory / "model.safetensors")
     config = {"kind": kind, "options": options, "target": fingerprint, **extra}
+    if hasattr(heads, "layer_config"):  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
+        config["draft_layer"] = heads.layer_config()
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 

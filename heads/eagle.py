@@ -26,6 +26,8 @@ from headstart.heads.vocab import DraftReadout
 
 
 class EagleHead(nn.Module):
+    feature_layers = (-1,)  # the target hidden states it reads: the last one (after the final norm)
+
     def __init__(
         self, config: PretrainedConfig, layer_cls: type[nn.Module], rotary_cls: type[nn.Module], draft_vocab: int = 0
     ) -> None:

@@ -33,20 +33,29 @@ def frequent_tokens(sequences: Iterable[list[int]], size: int, vocab_size: int) 
 
 
 class DraftReadout:
-    """The target's lm_head restricted to `ids` (all of it when `ids` is None).
+    """A readout over `ids`, the target ids of the draft tokens (all tokens when `ids` is None).
 
+    `weights` is the target's lm_head (its rows of `ids` are used), or a tensor (N, H) that already
+    holds one row per draft token (an EAGLE-3 head's own lm_head); `norm`, if given, is applied first.
     `ids` are ordered most frequent first, so `limit` keeps the first `limit` of them: a cheaper
     readout at a small loss of coverage (a full vocabulary, `ids` None, is kept whole). `readout(x)`
     gives logits (..., N) over the kept tokens; `to_target` maps draft indices back to target ids;
     `to_draft` maps target ids to draft indices (-1 where the token was not kept).
     """
 
-    def __init__(self, lm_head: nn.Module, ids: torch.Tensor | None, limit: int | None = None) -> None:
+    def __init__(
+        self, weights: nn.Module | torch.Tensor, ids: torch.Tensor | None, limit: int | None = None, norm=None
+    ) -> None:
         if limit is not None and limit < 1:
             raise ValueError(f"the draft vocabulary limit must be at least 1, got {limit}")
-        weight = lm_head.weight.detach()  # (V, H), frozen
+        own_rows = isinstance(weights, torch.Tensor)
+        weight = (weights if own_rows else weights.weight).detach()  # (V, H) or (N, H), frozen
         self.ids = None if ids is None else ids[:limit].to(weight.device)
-        self.weight = weight if self.ids is None else weight[self.ids]  # (N, H)
+        if self.ids is None:
+            self.weight = weight
+        else:
+            self.weight = weight[: len(self.ids)] if own_rows else weight[self.ids]  # (N, H)
+        self.norm = norm
         self._lookup = None  # target id -> draft index (-1: not kept), built once on first use
 
     @property
@@ -54,6 +63,8 @@ class DraftReadout:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            x = self.norm(x)
         return F.linear(x.to(self.weight.dtype), self.weight)  # (..., H) -> (..., N)
 
     def to_target(self, index: torch.Tensor) -> torch.Tensor:

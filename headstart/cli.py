@@ -48,12 +48,14 @@ def _add_profile_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tree-depth", type=_at_least_one, default=None, help="eagle, model, layerskip: drafting depth")
+    p.add_argument(
+        "--tree-depth", type=_at_least_one, default=None, help="eagle, eagle3, model, layerskip: drafting depth"
+    )
     p.add_argument("--tree-top-k", type=_at_least_one, default=None,
-                   help="eagle, model, layerskip: nodes expanded per depth and children per node (model, layerskip: "
-                   "1 = a chain, their default)")  # fmt: skip
+                   help="eagle, eagle3, model, layerskip: nodes expanded per depth and children per node "
+                   "(model, layerskip: 1 = a chain, their default)")  # fmt: skip
     p.add_argument("--draft-vocab", type=_at_least_one, default=None, metavar="N",
-                   help="medusa, eagle: read out only the N most frequent tokens of the draft vocabulary")  # fmt: skip
+                   help="medusa, eagle, eagle3: read out only the N most frequent draft tokens")  # fmt: skip
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
 
@@ -155,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH")  # fmt: skip
     b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
+    b.add_argument("--eagle3-heads", default=None, help="EAGLE-3 head directory (default: shipped)")
     _add_tree_args(b)
     _add_profile_arg(b)
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
@@ -215,6 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead: a soak of valid, malformed, disconnecting and oversized requests from --clients "
                     "clients (one level) for SECONDS; counts by kind and status, /health p99, server RSS")  # fmt: skip
 
+    ex = sub.add_parser("export", help="write trained EAGLE-3 heads in the layout vLLM and SGLang load")
+    ex.add_argument("heads", help="trained heads directory (a training run's output_dir/heads)")
+    ex.add_argument("out", help="a new (or empty) folder to write")
+    ex.add_argument("--format", default="specforge", choices=("specforge", "speculators"),
+                    help="specforge: the EAGLE-3 layout vLLM and SGLang load (default); speculators: vLLM's "
+                    "self-describing twin (`vllm serve OUT`)")  # fmt: skip
+    ex.add_argument("--target", default=None,
+                    help="the target's path or hub name the commands and the speculators config name (default: the "
+                    "model the heads were trained for; an embedded name becomes its local directory)")  # fmt: skip
+
     ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
     ck.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
     ck.add_argument("--device", default="cuda" if _has_cuda() else "cpu", help="cuda, cpu ...")
@@ -250,6 +263,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "loadtest":
             return cmd_loadtest(args)
+        if args.command == "export":
+            from headstart.heads.export import export_heads
+            from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
+
+            def target_path(name: str) -> str:
+                return str(resolve_model_dir(name)) if name == DEFAULT_MODEL else name
+
+            print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_path))
+            return 0
         if args.command == "check":
             from headstart.runtime.check import run_check
 
@@ -446,7 +468,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     options = _flag_values(args, [k for k in FLAGS if k not in ("heads", "budget")])
-    options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
+    options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads}
     bench.method_options(methods, options)  # every method and option checked before the model loads
     engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile)
     records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,

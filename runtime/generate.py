@@ -84,7 +84,7 @@ def stream(
     rng = Sampler(seed, device=target.device)
     t_start = time.perf_counter()
 
-    prompt_hidden = target.prefill(prompt_ids[:-1])
+    prompt_hidden = target.prefill(prompt_ids[:-1], drafter.feature_layers)
     drafter.start(prompt_ids, prompt_hidden, sampling, seed)
     context = list(prompt_ids)  # the last token is the root: not yet in the KV cache
     while stats.new_tokens < max_new_tokens:
@@ -93,7 +93,7 @@ def stream(
         if target.past_len + len(tree) + 1 > target.max_len:
             tree = DraftTree()  # no room left for a tree at the end of the context
         t1 = time.perf_counter()
-        verified = target.verify(context[-1], tree)
+        verified = target.verify(context[-1], tree, drafter.feature_layers)
         accepted = accept_path(tree, verified.logits, sampling, rng)
         target.commit(len(tree) + 1, accepted.path)
         t2 = time.perf_counter()

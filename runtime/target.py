@@ -22,7 +22,15 @@ from headstart.runtime.tree import DraftTree, tree_visibility
 @dataclass
 class Verified:
     logits: torch.Tensor  # (n+1, V) target logits at the root and at every node
-    hidden: torch.Tensor  # (n+1, H) final hidden state (after the final norm) at the same positions
+    hidden: torch.Tensor  # (n+1, F) the drafter's features at the same positions (`features`)
+
+
+def features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """The hidden states `layers` names (indices into `output_hidden_states`: k = after k decoder layers,
+    -1 = the last, after the final norm), concatenated: (..., len(layers) * H)."""
+    if layers == (-1,):
+        return hidden_states[-1]
+    return torch.cat([hidden_states[k] for k in layers], dim=-1)
 
 
 class Target:
@@ -40,20 +48,20 @@ class Target:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int]) -> torch.Tensor | None:
+    def prefill(self, token_ids: list[int], layers: tuple[int, ...] = (-1,)) -> torch.Tensor | None:
         """Start a new sequence: cache `token_ids` (every prompt token but the last, the first root).
 
-        Returns their final hidden states (len, H), or None when there are none.
+        Returns their features (len, F) from the hidden states `layers`, or None when there are none.
         """
         self.cache = DynamicCache()
         if not token_ids:
             return None
         ids = torch.tensor([token_ids], device=self.device)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-        return out.hidden_states[-1][0]
+        return features(out.hidden_states, layers)[0]
 
     @torch.inference_mode()
-    def verify(self, root: int, tree: DraftTree) -> Verified:
+    def verify(self, root: int, tree: DraftTree, layers: tuple[int, ...] = (-1,)) -> Verified:
         """Score the root and every node of `tree` in one forward; the cache grows by len(tree) + 1."""
         past = self.past_len
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)  # (1, n+1)
@@ -71,7 +79,7 @@ class Target:
             use_cache=True,
             output_hidden_states=True,
         )
-        return Verified(logits=out.logits[0], hidden=out.hidden_states[-1][0])
+        return Verified(logits=out.logits[0], hidden=features(out.hidden_states, layers)[0])
 
     def commit(self, n_fed: int, path: list[int]) -> None:
         """After a verify that fed `n_fed` = len(tree) + 1 tokens, keep the root and the accepted `path`."""

@@ -24,13 +24,15 @@ class TargetConfig:
 
 @dataclass
 class HeadsConfig:
-    kind: str = "medusa"  # medusa | eagle | medusa,eagle (one run each, in output_dir/<kind>)
+    kind: str = (
+        "medusa"  # medusa | eagle | eagle3, or a comma list such as medusa,eagle (one run each, in output_dir/<kind>)
+    )
     num_heads: int = 4  # medusa only
     own_lm_head: bool = False  # medusa only: a trainable lm_head copy per head
     feature_noise: float = 0.2  # eagle only: uniform noise U(-a/2, a/2) on input features while training
     ce_weight: float = 0.1  # eagle only: loss = SmoothL1(feature) + ce_weight * CE(target distribution)
-    unroll: int = 1  # eagle only: head steps run on its own outputs in training (train/losses.py eagle_unroll)
-    unroll_from_step: int = 0  # eagle only: optimizer steps before this one train with unroll = 1
+    unroll: int = 1  # eagle, eagle3: head steps run on its own outputs in training (train/losses.py eagle_unroll)
+    unroll_from_step: int = 0  # eagle, eagle3: optimizer steps before this one train with unroll = 1
     draft_vocab: int = 0  # read out only the N most frequent response tokens (heads/vocab.py); 0 = all
     init_from: str = ""  # a trained heads directory to start from (not its draft vocabulary): new data, new schedule
 

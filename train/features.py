@@ -1,8 +1,9 @@
-"""The frozen target's final features for every distilled row, computed once and kept on disk.
+"""The frozen target's features for every distilled row, computed once and kept on disk.
 
-The heads learn from the target's final features (after its final norm), which never change while
-the heads train. Running the target for them is most of a training step (docs/training.md), so
-`data.features: DIR` computes them once and every further epoch costs only the heads.
+The heads learn from the target's final features (after its final norm; EAGLE-3: three inner
+layers' hidden states beside them), which never change while the heads train. Running the target
+for them is most of a training step (docs/training.md), so `data.features: DIR` computes them once
+and every further epoch costs only the heads.
 
 Rows are cached in chunks of CHUNK rows, one safetensors file each, written atomically: an
 interrupted pass resumes at its first missing chunk. Each chunk also stores its rows' token ids and
@@ -19,27 +20,35 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from headstart.runtime.target import features
 from headstart.train.data import Row, collate, make_batches
 
 CHUNK = 256  # rows per file
 
 
-def final_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Frozen target: final features (B, T, H) after the final norm, in the target's dtype."""
+def target_features(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...] = (-1,)
+) -> torch.Tensor:
+    """Frozen target: the hidden states `layers` names, concatenated (B, T, len(layers) * H), in the
+    target's dtype; (-1,) = the final features after the final norm (`runtime.target.features`)."""
     with torch.no_grad():
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states[-1]
+    return features(out.hidden_states, layers)
 
 
 class FeatureCache:
-    """Features of `rows` (indexed by Row.index) under `directory`, for the target described by `key`."""
+    """Features of `rows` (indexed by Row.index) under `directory`, for the target described by `key`:
+    the target's hidden states `layers`, concatenated."""
 
-    def __init__(self, directory: str | Path, rows: list[Row], key: dict) -> None:
+    def __init__(self, directory: str | Path, rows: list[Row], key: dict, layers: tuple[int, ...] = (-1,)) -> None:
         if any(row.index != i for i, row in enumerate(rows)):
             raise ValueError("FeatureCache needs the rows as load_rows returns them (row.index = position)")
         self.dir = Path(directory)
         self.rows = rows
-        self.key = json.dumps(key, sort_keys=True)
+        self.layers = tuple(layers)
+        self.key = json.dumps(
+            {**key, **({} if self.layers == (-1,) else {"layers": list(self.layers)})}, sort_keys=True
+        )
         self.features: list[torch.Tensor] = []  # per row (T_i, H), filled by load()
 
     @property
@@ -85,7 +94,8 @@ class FeatureCache:
             tensors: dict[str, torch.Tensor] = {}
             for group in make_batches(rows, batch_tokens, seed=0):
                 batch = collate([rows[i] for i in group], pad_id)
-                feats = final_features(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+                ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+                feats = target_features(model, ids, mask, self.layers)
                 for b, i in enumerate(group):
                     n = len(rows[i].input_ids)
                     tensors[f"features.{i}"] = feats[b, :n].cpu().contiguous()

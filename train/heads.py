@@ -1,4 +1,4 @@
-"""Train Medusa or EAGLE heads on a frozen target: the `accelerate launch` entry point.
+"""Train Medusa, EAGLE or EAGLE-3 heads on a frozen target: the `accelerate launch` entry point.
 
     accelerate launch train/heads.py --config configs/smoke.yaml [key.sub=value ...]
 
@@ -25,11 +25,13 @@ import torch
 from torch import nn
 
 from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
-from headstart.heads.vocab import frequent_tokens
+from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
-from headstart.train.features import FeatureCache, final_features
-from headstart.train.losses import eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
+from headstart.train.features import FeatureCache, target_features
+from headstart.train.losses import eagle3_loss, eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
+
+KINDS = ("medusa", "eagle", "eagle3")
 
 EVAL_TOPK = 5
 RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
@@ -78,7 +80,6 @@ class Trainer:
         self.model = model.to(accelerator.device)
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.features = self.cache_features(rows) if cfg.data.features else None
         self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
@@ -86,9 +87,16 @@ class Trainer:
         if cfg.heads.kind == "medusa":
             self.options.update(num_heads=cfg.heads.num_heads, own_lm_head=cfg.heads.own_lm_head)
         heads = build_heads(cfg.heads.kind, model, **self.options).float()
+        if cfg.heads.kind == "eagle3":
+            self.options["layers"] = list(heads.feature_layers)
+        # the target hidden states the loss reads: EAGLE-3 its three fused layers and the final feature (for p)
+        self.layers = (*heads.feature_layers, -1) if cfg.heads.kind == "eagle3" else (-1,)
+        self.features = self.cache_features(rows) if cfg.data.features else None
         if cfg.heads.draft_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
             heads.draft_vocab.copy_(frequent_tokens(responses, cfg.heads.draft_vocab, model.config.vocab_size))
+        if cfg.heads.kind == "eagle3":
+            heads.init_lm_head(model.get_output_embeddings())
         self.started_from = None  # the trained heads this run starts from (config.json's "init_from")
         if cfg.heads.init_from:
             self.started_from = init_from_trained(heads, cfg.heads.init_from, model, tokenizer)
@@ -99,6 +107,7 @@ class Trainer:
         self.heads, self.optimizer = accelerator.prepare(heads, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)
         self.readout = heads.readout(model.get_output_embeddings())
+        self.target_readout = DraftReadout(model.get_output_embeddings(), heads.draft_vocab)  # p over the draft vocab
         self.embed = model.get_input_embeddings()
         self._epoch = 0
         self.rank_accuracy: list[list[float]] = []
@@ -122,7 +131,7 @@ class Trainer:
         """The target's features of every row from data.features, computing what is missing (split over processes)."""
         acc = self.acc
         key = {**target_fingerprint(self.model, self.tokenizer, self.cfg.target.model), "dtype": str(self.model.dtype)}
-        cache = FeatureCache(ensure_writable_dir(self.cfg.data.features), rows, key)
+        cache = FeatureCache(ensure_writable_dir(self.cfg.data.features), rows, key, self.layers)
         built = cache.build(self.model, self.pad_id, self.cfg.data.batch_tokens, acc.process_index,
                             acc.num_processes, progress=acc.is_local_main_process)  # fmt: skip
         acc.wait_for_everyone()
@@ -131,11 +140,11 @@ class Trainer:
         return cache
 
     def target_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Frozen target: final features (B, T, H) after the final norm, from the cache when there is one."""
+        """Frozen target: its hidden states `self.layers` (B, T, F), from the cache when there is one."""
         if self.features is not None:
             width = batch["input_ids"].shape[1]
             return self.features.batch(batch["row_index"].tolist(), width).to(self.acc.device).float()
-        return final_features(self.model, batch["input_ids"], batch["attention_mask"]).float()
+        return target_features(self.model, batch["input_ids"], batch["attention_mask"], self.layers).float()
 
     def loss(self, batch: dict[str, torch.Tensor], step: int = 0) -> torch.Tensor:
         """The training loss of one micro-batch at optimizer step `step` (0-based)."""
@@ -144,9 +153,14 @@ class Trainer:
         if cfg.kind == "medusa":
             ids, mask, k = batch["input_ids"], batch["loss_mask"], cfg.num_heads
             return medusa_loss(self.heads, hidden, self.readout_f32, ids, mask, k, self.readout.to_draft)
+        unroll = cfg.unroll if step >= cfg.unroll_from_step else 1
+        if cfg.kind == "eagle3":
+            logits = self.acc.unwrap_model(self.heads).logits
+            return eagle3_loss(self.heads, hidden, self.embed_f32, logits, self.target_readout, batch["input_ids"],
+                               batch["loss_mask"], unroll, self.readout.to_draft)  # fmt: skip
         loss, _ = eagle_loss(
             self.heads, hidden, self.embed_f32, self.readout_f32, batch["input_ids"], batch["loss_mask"],
-            noise=cfg.feature_noise, ce_weight=cfg.ce_weight, unroll=cfg.unroll if step >= cfg.unroll_from_step else 1,
+            noise=cfg.feature_noise, ce_weight=cfg.ce_weight, unroll=unroll,
         )  # fmt: skip
         return loss
 
@@ -203,6 +217,10 @@ class Trainer:
         if self.cfg.heads.kind == "medusa":
             feats = heads.features(hidden)
             return [heads.head_logits(k, feats[k - 1], self.readout_f32) for k in range(1, K + 1)]
+        if self.cfg.heads.kind == "eagle3":  # the fused layers in, the head's own readout out
+            H = hidden.shape[-1] // 4
+            outs = eagle_unroll(heads, hidden[:, :-1, : 3 * H], self.embed_f32(ids[:, 1:]), K)
+            return [heads.logits(out[:, k - 1 :]).float() for k, out in enumerate(outs, 1)]
         outs = eagle_unroll(heads, hidden[:, :-1], self.embed_f32(ids[:, 1:]), K)  # out_k[s]: root s - k + 1
         return [self.readout_f32(out[:, k - 1 :]) for k, out in enumerate(outs, 1)]  # re-indexed by root
 
@@ -343,10 +361,10 @@ def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> dic
 
 
 def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
-    """Train each head kind of `cfg.heads.kind` ("medusa", "eagle" or both); returns {kind: held-out metrics}."""
+    """Train each head kind of `cfg.heads.kind` (one of KINDS or a comma list); returns {kind: held-out metrics}."""
     kinds = [k.strip() for k in cfg.heads.kind.split(",") if k.strip()]
-    if not kinds or any(k not in ("medusa", "eagle") for k in kinds):
-        raise ConfigError(f"heads.kind must be medusa, eagle or medusa,eagle; got '{cfg.heads.kind}'")
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ConfigError(f"heads.kind must be one of {', '.join(KINDS)} or a comma list; got '{cfg.heads.kind}'")
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
     if len(kinds) == 1:

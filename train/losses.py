@@ -1,4 +1,4 @@
-"""Losses and per-head metrics for Medusa and EAGLE heads on a frozen target's outputs.
+"""Losses and per-head metrics for Medusa, EAGLE and EAGLE-3 heads on a frozen target's outputs.
 
 Shapes: B rows, T positions, H hidden, V vocabulary, K heads. `hidden` is the target's final
 hidden state after its final norm, `loss_mask` is True on the assistant's (response) tokens.
@@ -62,14 +62,15 @@ def unroll_mask(T: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def eagle_unroll(head: EagleHead, features: torch.Tensor, next_embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def eagle_unroll(head: nn.Module, features: torch.Tensor, next_embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """The head run `steps` times on its own outputs, as drafting does (EAGLE-3's "training-time test").
 
     Step 1 is causal over true features: out_1[s] ~ feature(s+1) from feature(s) and token s+1.
     Step k's input at s is out_{k-1}[s-1], the previous step's prediction of feature(s), beside the
     true token s+1; it attends as `unroll_mask` says, so out_k[s] ~ feature(s+1) predicted k steps
     after the root s - k + 1 with the true tokens in between (the chain where every earlier draft
-    was right).
+    was right). An EAGLE-3 head's step 1 reads the target's three layers (B, T, 3H) through its fc; its
+    later steps read its own outputs y, as drafting does.
     Returns [out_1, ..., out_steps], each (B, T, H).
     """
     from transformers import DynamicCache
@@ -122,6 +123,47 @@ def eagle_loss(
         log_q = lm_head(pred[rooted]).float().log_softmax(-1)
         ce_loss = ce_loss - (p[keep] * log_q).sum(-1).mean() / unroll
     return feature_loss + ce_weight * ce_loss, {"feature_loss": feature_loss, "ce_loss": ce_loss}
+
+
+EAGLE3_STEP_DECAY = 0.8  # step k of the training-time test weighs 0.8^k, as in the EAGLE-3 reference
+
+
+def eagle3_loss(
+    head: nn.Module,
+    hidden: torch.Tensor,  # (B, T, 4H): the three fused layers, then the final feature
+    embed: nn.Module,
+    logits: nn.Module,  # the head's own readout: (..., H) -> (..., N) draft logits (Eagle3Head.logits)
+    target_readout: nn.Module,  # the target's lm_head over the draft vocabulary: (..., H) -> (..., N)
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    unroll: int = 1,
+    to_draft=None,
+) -> torch.Tensor:
+    """EAGLE-3's loss: for each unrolled step k (0-based, weight 0.8^k, normalised), the soft cross-entropy
+    of the head's draft distribution q against the target's next-token distribution p restricted to the
+    draft vocabulary (renormalised over it), at response positions whose next token lies in the draft
+    vocabulary (p of a token the head cannot propose teaches it nothing). Step k at s needs a root at s - k.
+    """
+    H = hidden.shape[-1] // 4
+    fused, final = hidden[:, :-1, : 3 * H], hidden[:, 1:, 3 * H :]  # out_k[s] predicts token s + 2: p from s + 1
+    outs = eagle_unroll(head, fused, embed(input_ids[:, 1:]), unroll)
+    valid = loss_mask[:, 1:].clone()
+    if to_draft is not None:
+        valid &= to_draft(F.pad(input_ids[:, 2:], (0, 1))) >= 0  # the last position has no next token: padded
+    if not valid.any():
+        return sum(out.sum() for out in outs) * 0
+    with torch.no_grad():
+        p = target_readout(final[valid]).float().softmax(-1)  # (M, N)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    weights = [EAGLE3_STEP_DECAY**k for k in range(unroll)]
+    for k, out in enumerate(outs):
+        rooted = valid.clone()
+        rooted[:, :k] = False
+        keep = rooted[valid]
+        if keep.any():
+            log_q = logits(out[rooted]).float().log_softmax(-1)
+            total = total - weights[k] * (p[keep] * log_q).sum(-1).mean()
+    return total / sum(weights)
 
 
 def head_metrics(correct_top1: list[torch.Tensor], correct_top5: list[torch.Tensor]) -> dict[str, float]:

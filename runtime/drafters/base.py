@@ -18,6 +18,7 @@ class Drafter:
     """Base class: proposes nothing (plain decoding)."""
 
     name = "none"
+    feature_layers: tuple[int, ...] = (-1,)  # the target hidden states `start`/`observe` receive, concatenated
 
     def start(
         self,
@@ -26,7 +27,7 @@ class Drafter:
         sampling: SamplingParams | None = None,
         seed: int | None = None,
     ) -> None:
-        """A new sequence begins; `prompt_hidden` (len-1, H) are the target's features of all but the root.
+        """A new sequence begins; `prompt_hidden` (len-1, F) are the target's features of all but the root.
 
         `sampling` and `seed` are the decode's: drafters that sample their guesses use them.
         """
@@ -36,7 +37,7 @@ class Drafter:
         return DraftTree()
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
-        """The target accepted `path` of `tree` (its features `hidden`, (n+1, H)) and chose `next_token`."""
+        """The target accepted `path` of `tree` (its features `hidden`, (n+1, F)) and chose `next_token`."""
 
 
 class SamplingDrafter(Drafter):

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from headstart.heads.eagle import EagleHead
+from headstart.heads.eagle3 import Eagle3Head
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.sampling import SamplingParams
@@ -39,7 +40,7 @@ class EagleDrafter(SamplingDrafter):
 
     def __init__(
         self,
-        head: EagleHead,
+        head: EagleHead | Eagle3Head,
         embed: nn.Module,
         lm_head: nn.Module,
         options: EagleOptions | None = None,
@@ -53,6 +54,8 @@ class EagleDrafter(SamplingDrafter):
         o = options or EagleOptions()
         super().__init__(lm_head.weight.device)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head, o.draft_vocab)
+        self.feature_layers = head.feature_layers
+        self.name = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
         self.vocab_size = lm_head.weight.shape[0]
         self.depth, self.top_k, self.budget, self.min_prob = o.depth, o.top_k, o.budget, o.min_prob
         self.shape = choose_tree_shape(rank_accuracy, o.sampled_budget) if rank_accuracy else None
@@ -64,7 +67,8 @@ class EagleDrafter(SamplingDrafter):
         return self.cache.get_seq_length()
 
     def _run_head(self, features: torch.Tensor, tokens: list[int], positions: torch.Tensor, allowed: torch.Tensor):
-        """Append len(tokens) entries to the head's cache; (n, H) predicted next features."""
+        """Append len(tokens) entries to the head's cache; (n, H) the head's outputs (EAGLE: predicted next features;
+        EAGLE-3: y, read out through its own norm and lm_head). `features` is (n, F)."""
         device = features.device
         embeds = self.embed(torch.tensor(tokens, device=device))
         mask = additive_mask(allowed, features.dtype, device)

@@ -29,6 +29,7 @@ class LookupGraft(Drafter):
         self.budget = GraftOptions(*([] if budget is None else [budget])).graft_budget  # validated there
         self.inner, self.lookup = inner, lookup or LookupDrafter()
         self.name = f"{inner.name}+lookup"
+        self.feature_layers = inner.feature_layers
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)

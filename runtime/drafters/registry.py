@@ -3,7 +3,7 @@
 A spec is a registered name, optionally `+lookup`, optionally `:VALUE` for the drafter's one
 positional option:
 
-    none  lookup  medusa  eagle  model:PATH  layerskip:N  medusa:16  eagle+lookup  eagle+lookup:12
+    none  lookup  medusa  eagle  eagle3  model:PATH  layerskip:N  medusa:16  eagle+lookup  eagle+lookup:12
 
 `NAME+lookup` grafts prompt-lookup branches onto NAME's tree (`graft.LookupGraft`); its options are
 NAME's, the lookup's n-gram options and `graft_budget`. Option values come, in order of precedence,
@@ -92,13 +92,13 @@ def _medusa(options: MedusaOptions, ctx: Context) -> Drafter:
     return MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, options.draft_vocab)
 
 
-def _eagle(options: EagleOptions, ctx: Context) -> Drafter:
+def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:
     from headstart.heads.eagle import EagleHead
     from headstart.runtime.drafters.eagle import EagleDrafter
 
-    if ctx.model is not None:
-        EagleHead.check_target(ctx.model)  # before any file is read
-    module, config = _trained("eagle", options, ctx)
+    if ctx.model is not None and kind == "eagle":
+        EagleHead.check_target(ctx.model)  # before any file is read (an EAGLE-3 layer is Llama's on any target)
+    module, config = _trained(kind, options, ctx)
     embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
     return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.get("rank_accuracy"))
 
@@ -135,6 +135,13 @@ REGISTRY: dict[str, Entry] = {
         positional="budget",
         also_sets={"budget": "sampled_budget"},
     ),  # a budget the user sets holds at every temperature
+    "eagle3": Entry(
+        EagleOptions,
+        lambda options, ctx: _eagle(options, ctx, "eagle3"),
+        "a trained EAGLE-3 head (three target layers fused), a dynamic tree",
+        positional="budget",
+        also_sets={"budget": "sampled_budget"},
+    ),
     "model": Entry(ModelOptions, _model, "a small draft model with the same tokenizer", positional="draft_model"),
     "layerskip": Entry(LayerskipOptions, _layerskip, "the target's first layers", positional="draft_layers"),
 }

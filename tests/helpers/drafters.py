@@ -16,7 +16,8 @@ from helpers.exactness import random_heads, sampling_model
 from helpers.models import WORDS, tiny_tokenizer
 
 ACCURACY = {"medusa": [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]], "eagle": [[0.5, 0.3], [0.4, 0.3], [0.5]]}
-HEAD_OPTIONS = {"medusa": {"num_heads": 3}, "eagle": {}}
+ACCURACY["eagle3"] = ACCURACY["eagle"]
+HEAD_OPTIONS = {"medusa": {"num_heads": 3}, "eagle": {}, "eagle3": {}}
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6], [3, 1, 4, 1, 5]]
 
 
@@ -27,7 +28,7 @@ def drafter_setup(root: Path):
     options = {"layerskip": {"draft_layers": 1}, "model": {"draft_model": str(root / "draft")}}
     layerskip_model(model, [0]).save_pretrained(root / "draft")
     tokenizer.save_pretrained(root / "draft")
-    for kind in ("medusa", "eagle"):
+    for kind in HEAD_OPTIONS:
         heads = random_heads(kind, model, 0.3 if kind == "medusa" else 0.1, **HEAD_OPTIONS[kind])
         fingerprint = target_fingerprint(model, tokenizer)
         extra = {"rank_accuracy": ACCURACY[kind], "dtype": "float32"}

@@ -1,0 +1,166 @@
+"""EAGLE-3 head: three of the target's layers fused, one Llama decoder layer, its own draft lm_head.
+
+The forward both vLLM and SGLang run (../shared/ENGINES.md), written here once:
+
+    u = fc(cat(h_low, h_mid, h_high))                        # (B, T, 3H) -> (B, T, H), no bias
+    x = cat(input_layernorm(embed(token)), hidden_norm(u))   # (B, T, 2H): q/k/v read 2H
+    s = u + o_proj(attn(x))                                  # the residual is the un-normalised u
+    y = s + mlp(post_attention_layernorm(s))
+    draft logits = lm_head(norm(y))                          # (B, T, N) over the draft vocabulary
+
+h_low, h_mid, h_high are the target's residual stream after layers 2, N//2 and N-3 (Hugging Face
+`output_hidden_states[k]`), `feature_layers`. At the next drafting step the head reads its own y in
+place of u (fc is skipped). The draft layer is a Llama layer whatever the target is, sized like the
+target's layers; the token embedding is the target's, frozen, and not part of the head.
+
+Draft vocabulary: `lm_head` has one row per draft token; the buffer `draft_vocab` (N,) holds their
+target ids, most frequent first (so a readout may keep only the first `limit` rows); exported, it
+becomes the engines' `d2t` offsets (target id = i + d2t[i]) and `t2d` mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from headstart.heads.vocab import DraftReadout
+
+
+def engine_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers vLLM and SGLang fuse by default: (2, N//2, N-3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """The engines' layers, clamped into 1..N (ascending) for targets too shallow for them (test models)."""
+    return tuple(sorted(min(max(k, 1), num_layers) for k in engine_feature_layers(num_layers)))
+
+
+def _rope_parameters(config: PretrainedConfig) -> dict:
+    """The target's rotary settings as a Llama layer takes them (full-attention ones when they differ per kind)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in rope:  # per attention kind (Gemma 3)
+        rope = dict(rope["full_attention"])
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+def draft_config(target: PretrainedConfig, draft_vocab: int) -> LlamaConfig:
+    """The draft layer's Llama config: the target's layer sizes, attention heads and rotary settings."""
+    hidden = target.hidden_size
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=getattr(target, "num_key_value_heads", None) or target.num_attention_heads,
+        head_dim=getattr(target, "head_dim", None) or hidden // target.num_attention_heads,
+        rms_norm_eps=getattr(target, "rms_norm_eps", 1e-6),
+        max_position_embeddings=target.max_position_embeddings,
+        rope_parameters=_rope_parameters(target),
+        vocab_size=target.vocab_size,
+        num_hidden_layers=1,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+    config.draft_vocab_size = draft_vocab or target.vocab_size
+    config._attn_implementation = "sdpa"  # takes the float tree masks drafting passes
+    return config
+
+
+LAYER_CONFIG_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "vocab_size",
+    "draft_vocab_size", "initializer_range",
+)  # fmt: skip
+
+
+class Eagle3DecoderLayer(LlamaDecoderLayer):
+    """transformers' LlamaDecoderLayer with EAGLE-3's two inputs (the token embedding and the fused state)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config, layer_idx=0)
+        # --- change to LlamaDecoderLayer ------------------------------------------------------------
+        # q/k/v read [input_layernorm(embed); hidden_norm(u)], 2H wide; a second input norm for u.
+        hidden, attn = config.hidden_size, self.self_attn
+        kv = config.num_key_value_heads * attn.head_dim
+        attn.q_proj = nn.Linear(2 * hidden, config.num_attention_heads * attn.head_dim, bias=False)
+        attn.k_proj = nn.Linear(2 * hidden, kv, bias=False)
+        attn.v_proj = nn.Linear(2 * hidden, kv, bias=False)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        # --------------------------------------------------------------------------------------------
+
+    def forward(  # the fenced change: two inputs, the residual is u (LlamaDecoderLayer.forward otherwise)
+        self,
+        embeds: torch.Tensor,  # (B, T, H) embeddings of the tokens
+        hidden: torch.Tensor,  # (B, T, H) u: fused target states, or the head's previous output
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        attn, _ = self.self_attn(
+            hidden_states=x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=cache is not None, position_embeddings=position_embeddings,
+        )  # fmt: skip
+        s = hidden + attn
+        return s + self.mlp(self.post_attention_layernorm(s))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, target: PretrainedConfig, draft_vocab: int = 0, layers: list[int] | None = None) -> None:
+        super().__init__()
+        if draft_vocab > target.vocab_size:
+            raise ValueError(f"a draft vocabulary of {draft_vocab} is larger than the target's {target.vocab_size}")
+        self.config = draft_config(target, draft_vocab)
+        self.feature_layers = tuple(layers or feature_layers(target.num_hidden_layers))
+        if len(self.feature_layers) != 3 or not all(1 <= k <= target.num_hidden_layers for k in self.feature_layers):
+            raise ValueError(f"EAGLE-3 fuses three target layers in 1..{target.num_hidden_layers}, "
+                             f"got {list(self.feature_layers)}")  # fmt: skip
+        hidden = target.hidden_size
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.midlayer = Eagle3DecoderLayer(self.config)
+        self.norm = LlamaRMSNorm(hidden, eps=self.config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, self.config.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(self.config)
+        # (N,) target ids of the lm_head's rows, set by training; None = the full vocabulary in order.
+        self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
+
+    @classmethod
+    def for_target(cls, model: nn.Module, draft_vocab: int = 0, layers: list[int] | None = None) -> Eagle3Head:
+        return cls(model.config, draft_vocab, layers)
+
+    def layer_config(self) -> dict:
+        """The draft layer's Llama config as plain JSON values (saved with the heads, read by the export)."""
+        config = self.config.to_dict()
+        return {k: config[k] for k in LAYER_CONFIG_KEYS if k in config}
+
+    def init_lm_head(self, target_lm_head: nn.Module) -> None:
+        """Start the draft lm_head from the target's rows of the draft tokens (set `draft_vocab` first)."""
+        weight = target_lm_head.weight.detach()
+        rows = weight if self.draft_vocab is None else weight[self.draft_vocab.to(weight.device)]
+        self.lm_head.weight.data.copy_(rows)
+
+    def readout(self, target_lm_head: nn.Module | None = None, limit: int | None = None) -> DraftReadout:
+        """norm + the head's own lm_head, over its first `limit` draft tokens (the target's lm_head is unused)."""
+        return DraftReadout(self.lm_head.weight, self.draft_vocab, limit, norm=self.norm)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (B, T, 3H) target states at t (fused by fc), or (B, T, H) the head's own y
+        next_embeds: torch.Tensor,  # (B, T, H) embeddings of tokens t+1
+        position_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # None = causal; else a float 4D mask (B, 1, T, past+T)
+        cache=None,
+    ) -> torch.Tensor:
+        """y (B, T, H): the layer's output before the final norm, the next step's `hidden`."""
+        u = self.fc(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
+        cos_sin = self.rotary(u, position_ids)
+        return self.midlayer(next_embeds.to(u.dtype), u, attention_mask, position_ids, cache, cos_sin)
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., N) draft logits over every draft token."""
+        return self.lm_head(self.norm(y))

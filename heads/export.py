@@ -1,0 +1,196 @@
+"""Export trained EAGLE-3 heads to the layout vLLM and SGLang load (../shared/ENGINES.md).
+
+    headstart export runs/smollm2-135m-eagle3/heads out/eagle3-vllm                        # SpecForge layout
+    headstart export runs/smollm2-135m-eagle3/heads out/eagle3-spec --format speculators   # vLLM's speculators
+
+The head's weights are already named as the engines name them (`fc`, `midlayer.*`, `norm`,
+`lm_head`); the export adds the engines' config.json, turns the draft vocabulary (target ids, most
+frequent first) into `d2t` offsets (target id = i + d2t[i]) and the `t2d` mask, and writes a
+README.md with the serving commands. The speculators twin names the layer `layers.0.*` and says
+which target it drafts for, so `vllm serve OUT_DIR` finds the target by itself.
+
+Only heads the engines run exactly as headstart does are exported; anything else is refused with
+the reason: other kinds (EAGLE-1's fc bias and post-norm features, Medusa), other fused layers than
+the engines' (2, N//2, N-3), a draft vocabulary larger than the target's. Files are written into a
+temporary folder beside OUT_DIR and moved into place at the end: a failed export leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from headstart.heads.eagle3 import engine_feature_layers
+
+FORMATS = ("specforge", "speculators")
+
+
+class ExportError(ValueError):
+    """Heads that cannot be exported faithfully, or an unusable output folder."""
+
+
+def read_checkpoint(heads_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, weights) of a headstart heads directory, or an ExportError saying what is wrong."""
+    config_path, weights_path = heads_dir / "config.json", heads_dir / "model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise ExportError(f"{heads_dir} is not a heads checkpoint (needs config.json and model.safetensors)")
+    try:
+        config = json.loads(config_path.read_text())
+        weights = load_file(str(weights_path))
+    except Exception as e:  # bad JSON, a truncated or foreign safetensors file: one line naming the file
+        raise ExportError(f"cannot read the heads in {heads_dir}: {type(e).__name__}: {str(e)[:200]}") from e
+    if not isinstance(config, dict) or "kind" not in config or not isinstance(config.get("target"), dict):
+        raise ExportError(f"{config_path} names no head kind and target: not a headstart heads checkpoint")
+    return config, weights
+
+
+def check_exportable(config: dict, weights: dict[str, torch.Tensor]) -> None:
+    kind = config["kind"]
+    if kind == "eagle":
+        raise ExportError("EAGLE-1 heads cannot be exported faithfully: their fc has a bias (vLLM drops it) and "
+                          "they predict post-norm features; train an eagle3 head (heads.kind: eagle3)")  # fmt: skip
+    if kind != "eagle3":
+        raise ExportError(f"{kind} heads cannot be exported: vLLM and SGLang load EAGLE-3 heads (heads.kind: eagle3)")
+    target = config["target"]
+    layers = tuple(config.get("options", {}).get("layers", ()))
+    expected = engine_feature_layers(target["num_layers"])
+    if layers != expected:
+        raise ExportError(f"this head fuses target layers {list(layers)}; vLLM and SGLang fuse {list(expected)} "
+                          f"for a {target['num_layers']}-layer target")  # fmt: skip
+    if not isinstance(config.get("draft_layer"), dict):
+        raise ExportError("the heads' config.json lacks the draft layer's config (draft_layer)")
+    needed = {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight"}
+    if needed - set(weights):
+        raise ExportError(f"the heads' weights lack {', '.join(sorted(needed - set(weights)))}")
+    rows = weights["lm_head.weight"].shape[0]
+    if rows > target["vocab_size"]:
+        raise ExportError(f"the draft vocabulary ({rows} tokens) is larger than the target's ({target['vocab_size']})")
+    ids = weights.get("draft_vocab")
+    if ids is not None and (len(ids) != rows or int(ids.min()) < 0 or int(ids.max()) >= target["vocab_size"]):
+        raise ExportError("the draft vocabulary's ids do not match the lm_head or lie outside the target's vocabulary")
+
+
+def engine_weights(weights: dict[str, torch.Tensor], vocab_size: int, layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The weights under the engines' names, with `d2t` (int64) and `t2d` (bool) for a reduced draft vocabulary."""
+    out = {}
+    for name, tensor in weights.items():
+        if name == "draft_vocab":
+            continue
+        out[layer_prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name] = tensor
+    ids = weights.get("draft_vocab")
+    if ids is not None and len(ids) < vocab_size:
+        ids = ids.long()
+        out["d2t"] = ids - torch.arange(len(ids))
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        out["t2d"] = t2d
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def layer_config(config: dict, weights: dict[str, torch.Tensor]) -> dict:
+    """The draft layer's Llama config for the engines: the one the head was built with (saved by training)."""
+    target = config["target"]
+    llama = dict(config["draft_layer"])
+    llama.update(model_type="llama", num_hidden_layers=1, vocab_size=target["vocab_size"], target_hidden_size=
+                 target["hidden_size"], draft_vocab_size=weights["lm_head.weight"].shape[0], tie_word_embeddings=False,
+                 torch_dtype=config.get("dtype", "bfloat16"))  # fmt: skip
+    rope = llama.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        llama["rope_theta"] = rope["rope_theta"]  # older readers look for it at the top
+    return llama
+
+
+def vllm_commands(out_dir: Path, target: str, fmt: str, steps: int = 3) -> str:
+    spec = json.dumps({"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": steps})
+    lines = [
+        "# EAGLE-3 draft head exported by headstart",
+        "",
+        f"Trained for `{target}`. vLLM (chains of {steps} draft tokens):",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{spec}'",
+    ]
+    if fmt == "speculators":
+        lines.append(f"vllm serve {out_dir}   # speculators format: vLLM finds the target itself")
+    lines += ["```", ""]
+    if fmt == "specforge":
+        lines += [
+            "SGLang (trees):",
+            "",
+            "```bash",
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
+            f"    --speculative-draft-model-path {out_dir} --speculative-num-steps {steps} \\",
+            "    --speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
+            "```",
+            "",
+        ]
+    lines.append("Replace the target by its Hugging Face name or local directory as your engine sees it.")
+    return "\n".join(lines) + "\n"
+
+
+def prepare_out_dir(out_dir: Path) -> Path:
+    """A temporary folder beside `out_dir` (which must not exist, or be empty)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} exists and is not empty: choose a new folder")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    except OSError as e:
+        raise ExportError(f"cannot write into {out_dir.parent}: {e.strerror}") from e
+
+
+def export_heads(
+    heads_dir: str | Path,
+    out_dir: str | Path,
+    fmt: str = "specforge",
+    verifier: str | None = None,
+    resolve: Callable[[str], str] | None = None,
+) -> Path:
+    """Write the heads in `heads_dir` to `out_dir` in `fmt` ("specforge": the layout vLLM and SGLang load;
+    "speculators": vLLM's self-describing twin). `verifier`: the target's path or hub name, as the
+    commands and the speculators config name it; default: `resolve` of the name the heads were trained for."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format '{fmt}': choose {' or '.join(FORMATS)}")
+    heads_dir, out_dir = Path(heads_dir), Path(out_dir)
+    config, weights = read_checkpoint(heads_dir)
+    check_exportable(config, weights)
+    target = config["target"]
+    verifier = verifier or (resolve or str)(target.get("name") or "TARGET")
+    llama = layer_config(config, weights)
+    if fmt == "specforge":
+        files_config = {**llama, "architectures": ["LlamaForCausalLMEagle3"]}
+        tensors = engine_weights(weights, target["vocab_size"], "midlayer.")
+    else:
+        files_config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier, "architectures": [target["architecture"]]},
+            },
+            "transformer_layer_config": llama,
+            "draft_vocab_size": llama["draft_vocab_size"],
+            "target_hidden_size": target["hidden_size"],
+            "norm_before_residual": False,  # vLLM assumes true when the key is missing
+        }
+        tensors = engine_weights(weights, target["vocab_size"], "layers.0.")
+    tmp = prepare_out_dir(out_dir)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(files_config, indent=2) + "\n")
+        (tmp / "README.md").write_text(vllm_commands(out_dir.resolve(), verifier, fmt))
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,176 @@
+"""EAGLE-3: the head against the engines' forward written out by hand, its training-time test, training and
+exact decoding with trained heads, and the export to the layout vLLM and SGLang load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from headstart.cli import main as cli
+from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
+from headstart.heads.eagle3 import engine_feature_layers, feature_layers
+from headstart.heads.export import export_heads
+from headstart.train.losses import eagle_unroll
+from helpers.exactness import assert_identity_with_trained_heads, random_heads
+from helpers.models import tiny_llama
+
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def engines_forward(state: dict, cfg: dict, fused, embeds):
+    """../shared/ENGINES.md's forward in plain torch (causal, positions 0..T-1): the layout both engines run."""
+    eps, n, kv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    g = lambda k: state[f"midlayer.{k}.weight"]  # noqa: E731
+    u = fused @ state["fc.weight"].T
+    x = torch.cat([rms(embeds, g("input_layernorm"), eps), rms(u, g("hidden_norm"), eps)], -1)
+    T = x.shape[0]
+    q, k, v = (x @ g(f"self_attn.{p}_proj").T for p in "qkv")
+    q, k, v = q.view(T, n, d), k.view(T, kv, d), v.view(T, kv, d)
+    inv = 1.0 / cfg["rope_parameters"]["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.arange(T).float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    rot = lambda t: t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin  # noqa: E731
+    q, k = rot(q), rot(k)
+    k, v = k.repeat_interleave(n // kv, 1), v.repeat_interleave(n // kv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, n * d)
+    s = u + attn @ g("self_attn.o_proj").T
+    h = rms(s, g("post_attention_layernorm"), eps)
+    y = s + (F.silu(h @ g("mlp.gate_proj").T) * (h @ g("mlp.up_proj").T)) @ g("mlp.down_proj").T
+    return y, rms(y, state["norm.weight"], eps) @ state["lm_head.weight"].T
+
+
+def test_the_head_computes_the_engines_forward():
+    model = tiny_llama(vocab_size=64, layers=8)
+    head = random_heads("eagle3", model, 0.2, draft_vocab=16)
+    assert head.feature_layers == engine_feature_layers(8) == (2, 4, 5)
+    T, H = 6, model.config.hidden_size
+    fused, embeds = torch.randn(T, 3 * H), torch.randn(T, H)
+    with torch.no_grad():
+        y = head(fused[None], embeds[None], torch.arange(T)[None])[0]
+        logits = head.logits(y)
+    ref_y, ref_logits = engines_forward(head.state_dict(), head.layer_config(), fused, embeds)
+    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_feature_layers_of_shallow_targets_stay_inside_the_model():
+    assert feature_layers(30) == (2, 15, 27)  # SmolLM2-135M
+    assert feature_layers(2) == (1, 1, 2)  # test models: clamped into 1..N
+    with pytest.raises(ValueError, match=r"three target layers in 1\.\.2"):
+        build_heads("eagle3", tiny_llama(), layers=[1, 2, 3])
+    with pytest.raises(ValueError, match="larger than the target's 64"):
+        build_heads("eagle3", tiny_llama(vocab_size=64), draft_vocab=65)
+
+
+def test_unroll_matches_drafting_step_by_step():
+    """Step 1 reads the fused target layers (3H) through fc; later steps the head's own y, as drafting does."""
+    from transformers import DynamicCache
+
+    model = tiny_llama(vocab_size=64, layers=8)
+    head = random_heads("eagle3", model, 0.1)
+    T, H = 6, model.config.hidden_size
+    fused, embeds = torch.randn(1, T, 3 * H), torch.randn(1, T, H)  # embeds[s]: token s + 1
+    with torch.no_grad():
+        outs = eagle_unroll(head, fused, embeds, 3)
+        for k in (1, 2, 3):
+            for r in range(T - k + 1):
+                cache = DynamicCache()
+                out = head(fused[:, : r + 1], embeds[:, : r + 1], torch.arange(r + 1)[None], cache=cache)[:, -1:]
+                for s in range(r + 1, r + k):
+                    out = head(out, embeds[:, s : s + 1], torch.tensor([[s]]), cache=cache)
+                torch.testing.assert_close(outs[k - 1][:, r + k - 1], out[:, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):
+    trees = [{}, {"depth": 3, "top_k": 1, "budget": 3}, {"draft_vocab": 12}]
+    assert_identity_with_trained_heads(
+        tmp_path, tiny_model_dir, "eagle3", trees, **{"heads.draft_vocab": 24, "heads.unroll": 2}
+    )
+
+
+def test_greedy_identity_with_lookup_grafted_on(tmp_path, tiny_model_dir):
+    assert_identity_with_trained_heads(tmp_path, tiny_model_dir, "eagle3", [{}], drafter="eagle3+lookup")
+
+
+# ---- export ------------------------------------------------------------------------------------------
+
+
+def saved_head(root, model=None, kind="eagle3", **options):
+    model = model or tiny_llama(vocab_size=64, layers=8)
+    head = random_heads(kind, model, 0.1, **options)
+    if getattr(head, "draft_vocab", None) is not None:
+        head.draft_vocab.copy_(torch.randperm(64)[: len(head.draft_vocab)])
+    fp = target_fingerprint(model, name="tiny-8")
+    saved = {**options, **({"layers": list(head.feature_layers)} if kind == "eagle3" else {})}
+    return save_heads(root / "heads", head, kind, saved, fp, {"dtype": "float32"}), head
+
+
+def test_export_writes_the_engines_layout(tmp_path):
+    heads_dir, head = saved_head(tmp_path, draft_vocab=16)
+    out = export_heads(heads_dir, tmp_path / "vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert (config["num_hidden_layers"], config["vocab_size"], config["draft_vocab_size"]) == (1, 64, 16)
+    assert "eagle_aux_hidden_state_layer_ids" not in config  # the engines' own default: (2, N//2, N-3)
+    weights = load_file(out / "model.safetensors")
+    assert weights["fc.weight"].shape == (64, 3 * 64)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # q/k/v read 2H
+    assert weights["lm_head.weight"].shape == (16, 64) and "draft_vocab" not in weights
+    ids = head.draft_vocab
+    assert weights["d2t"].dtype == torch.int64 and torch.equal(torch.arange(16) + weights["d2t"], ids)
+    assert weights["t2d"].dtype == torch.bool and weights["t2d"].sum() == 16 and weights["t2d"][ids].all()
+    for name, tensor in head.state_dict().items():
+        if name != "draft_vocab":
+            torch.testing.assert_close(weights[name], tensor)
+    assert "vllm serve tiny-8 --speculative-config" in (out / "README.md").read_text()
+
+
+def test_export_speculators_format(tmp_path):
+    heads_dir, _ = saved_head(tmp_path)  # the full vocabulary: no d2t / t2d
+    out = export_heads(heads_dir, tmp_path / "spec", "speculators", verifier="/models/tiny")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["transformer_layer_config"]["hidden_size"] == 64
+    weights = load_file(out / "model.safetensors")
+    assert "layers.0.hidden_norm.weight" in weights and not any(k.startswith("midlayer.") for k in weights)
+    assert "d2t" not in weights and "t2d" not in weights
+
+
+def test_export_refuses_in_one_line_and_leaves_nothing(tmp_path, capsys):
+    def refuse(args, message):
+        before = sorted(p.name for p in tmp_path.iterdir())
+        assert cli(["export", *map(str, args)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing half-written
+
+    eagle, _ = saved_head(tmp_path / "e", kind="eagle")
+    refuse([eagle, tmp_path / "o"], "EAGLE-1 heads cannot be exported faithfully")
+    medusa, _ = saved_head(tmp_path / "m", kind="medusa", num_heads=2)
+    refuse([medusa, tmp_path / "o"], "medusa heads cannot be exported")
+    good, _ = saved_head(tmp_path / "g", draft_vocab=16)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    refuse([good, tmp_path / "full"], "exists and is not empty")
+    refuse([tmp_path / "nothing", tmp_path / "o"], "is not a heads checkpoint")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((good / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:100])
+    refuse([bad, tmp_path / "o"], "cannot read the heads")
+    shallow, _ = saved_head(tmp_path / "s", model=tiny_llama(vocab_size=64))
+    refuse([shallow, tmp_path / "o"], "vLLM and SGLang fuse [2, 1, -1] for a 2-layer target")
+    big = json.loads((good / "config.json").read_text())
+    big["target"]["vocab_size"] = 8  # the target's vocabulary smaller than the draft's
+    (good / "config.json").write_text(json.dumps(big))
+    refuse([good, tmp_path / "o"], "the draft vocabulary (16 tokens) is larger than the target's (8)")
