@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench gpu-check pinned vllm-serve clean
+.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,11 @@ vllm-serve: install $(VLLM_VENV)/.installed
 		--model "$$($(BIN)/python -m headstart.runtime.models)" \
 		--served-model-name smollm2-135m-instruct --dtype float32 --max-model-len 2048 --enforce-eager \
 		--port $(VLLM_PORT)
+
+# the shipped EAGLE-3 head exported and served by a real vLLM (float32, T = 0, 8 prompts, chains of 3): vLLM's text
+# with the head equals its text without it, and its acceptance length is headstart's own (tests/engines/vllm_check.py)
+test-vllm: install $(VLLM_VENV)/.installed
+	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python $(VLLM_CHECK_ARGS)
 
 # after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
 pinned: install

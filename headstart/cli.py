@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--seed", type=_seed, default=0)
     b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
+    b.add_argument("--report-to", default="none", choices=("none", "wandb"),
+                   help="also log the figures to W&B (offline without WANDB_API_KEY; `wandb sync` later)")  # fmt: skip
 
     ds = sub.add_parser("distill", help="self-distillation: the target answers training prompts (resumable)")
     _add_model_args(ds, "bfloat16")
@@ -482,6 +484,8 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     json_path, md_path, png_path = bench.save(records, table, Path(args.out), meta)
     print(bench.markdown(table))
     print(f"records: {json_path}\ntable: {md_path}\nchart: {png_path}", file=sys.stderr)
+    if args.report_to == "wandb":
+        print(bench.report_wandb(table, meta, Path(args.out), run_name=f"bench-{json_path.stem}"), file=sys.stderr)
     return 0
 
 

@@ -46,6 +46,7 @@ class Record:
     verify_ms: float | None
     same_as_plain: bool | None  # token ids equal to `plain`'s (greedy only)
     token_ids: list[int]
+    accepted_per_depth: list[int] | None = None  # [d-1]: rounds whose accepted path reached depth d
 
 
 def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
@@ -56,7 +57,8 @@ def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: Sampli
     tokens = [t for chunk in rounds for t in chunk.tokens]
     seconds = time.perf_counter() - t0
     rounds = max(stats.target_passes, 1)
-    return tokens, seconds, stats.target_passes, 1e3 * stats.draft_s / rounds, 1e3 * stats.verify_s / rounds
+    ms = 1e3 * stats.draft_s / rounds, 1e3 * stats.verify_s / rounds
+    return tokens, seconds, stats.target_passes, *ms, stats.accepted_per_depth
 
 
 def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
@@ -74,7 +76,7 @@ def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingPara
     with torch.inference_mode():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
     seconds = time.perf_counter() - t0
-    return out[0, len(ids) :].tolist(), seconds, None, None, None
+    return out[0, len(ids) :].tolist(), seconds, None, None, None, None
 
 
 def method_options(methods: list[str], options: dict) -> dict[str, dict]:
@@ -94,7 +96,7 @@ def method_options(methods: list[str], options: dict) -> dict[str, dict]:
 
 
 def run_method(engine: Engine, method: str, drafters: dict[str, Drafter], ids: list[int], sampling, max_new, seed):
-    """(token_ids, seconds, target_passes, draft_ms, verify_ms) of one generation."""
+    """(token_ids, seconds, target_passes, draft_ms, verify_ms, accepted_per_depth) of one generation."""
     if method in HF_METHODS:
         return _run_hf(engine, method == "hf-lookup", ids, sampling, max_new, seed)
     return _run_ours(engine, drafters[method], ids, sampling, max_new, seed)
@@ -129,14 +131,14 @@ def run_bench(
         sampling = SamplingParams(temperature)
         plain_tokens = None
         for method in methods:
-            tokens, seconds, passes, draft_ms, verify_ms = run_method(
+            tokens, seconds, passes, draft_ms, verify_ms, per_depth = run_method(
                 engine, method, drafters, encoded[i], sampling, max_new_tokens, seed
             )
             if method == "plain":
                 plain_tokens = tokens
             same = tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None
             prompt = prompts[i]
-            row = (len(tokens), seconds, passes, draft_ms, verify_ms, same, tokens)
+            row = (len(tokens), seconds, passes, draft_ms, verify_ms, same, tokens, per_depth)
             records.append(Record(method, prompt.id, prompt.category, temperature, *row))
     return records
 
@@ -160,6 +162,7 @@ def summarize(records: list[Record]) -> dict:
             "draft_ms": _mean([r.draft_ms for r in rs]),
             "verify_ms": _mean([r.verify_ms for r in rs]),
             "same_as_plain": f"{sum(same)}/{len(same)}" if same else None,
+            "acceptance_per_depth": _acceptance_per_depth(rs),
         }
     for row in table.values():
         for figures in row.values():
@@ -167,6 +170,48 @@ def summarize(records: list[Record]) -> dict:
                 ref = row.get(base, {}).get("tokens_per_s")
                 figures[f"speedup_vs_{base}"] = figures["tokens_per_s"] / ref if ref else None
     return table
+
+
+def _acceptance_per_depth(records: list[Record]) -> list[float] | None:
+    """[d-1]: the share of rounds whose path reached depth d among those that reached depth d-1 (the
+    training metric `head_{d}/acceptance`, measured while decoding); None where the method does not report it."""
+    counts = [r.accepted_per_depth for r in records if r.accepted_per_depth is not None]
+    if not counts:
+        return None
+    reached = [sum(r.target_passes or 0 for r in records)]  # every round reaches depth 0
+    for d in range(max(map(len, counts), default=0)):
+        reached.append(sum(c[d] for c in counts if len(c) > d))
+    return [reached[d + 1] / reached[d] if reached[d] else 0.0 for d in range(len(reached) - 1)]
+
+
+def report_wandb(table: dict, meta: dict, out_dir: Path, run_name: str | None = None) -> str:
+    """Log every method's figures per temperature and category to W&B (offline without WANDB_API_KEY, as
+    training is), named as training names them: `{method}/{category}/T={t}/acceptance_length`,
+    `.../head_{d}/acceptance` (depth d given depth d-1), `.../tokens_per_s`, `.../speedup_vs_plain`."""
+    import os
+
+    import wandb
+
+    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    run = wandb.init(project="headstart", job_type="bench", name=run_name, dir=str(out_dir), mode=mode, config=meta)
+    metrics, rows = {}, []
+    for (temperature, category), methods in table.items():
+        for method, f in methods.items():
+            key = f"{method}/{category}/T={temperature}"
+            for name in ("acceptance_length", "tokens_per_s", "speedup_vs_plain"):
+                if f[name] is not None:
+                    metrics[f"{key}/{name}"] = f[name]
+            for d, share in enumerate(f["acceptance_per_depth"] or [], 1):
+                metrics[f"{key}/head_{d}/acceptance"] = share
+            rows.append([method, category, temperature, f["tokens_per_s"], f["speedup_vs_plain"],
+                         f["acceptance_length"], json.dumps(f["acceptance_per_depth"])])  # fmt: skip
+    columns = ["method", "category", "temperature", "tokens_per_s", "speedup_vs_plain", "acceptance_length",
+               "acceptance_per_depth"]  # fmt: skip
+    run.log({**metrics, "bench": wandb.Table(columns=columns, data=rows)})
+    run.summary.update(metrics)
+    where = f"W&B run {run.name} ({mode}, {run.dir})"
+    run.finish()
+    return where
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -91,3 +91,24 @@ def test_trained_drafters_default_to_the_shipped_heads(tiny_model_dir):
     engine = Engine.load(str(tiny_model_dir))
     with pytest.raises(ValueError, match="none are shipped for tiny"):
         make_drafter("eagle", engine.target.model, engine.tokenizer, model_name="tiny")
+
+
+def test_acceptance_per_depth_and_the_wandb_report(tmp_path, monkeypatch):
+    # 5 rounds; 3 reached depth 1, 1 of those reached depth 2: head_1 0.6, head_2 1/3 (as training measures them)
+    records = [
+        bench.Record("eagle3", "1", "qa", 0.0, 6, 1.0, 3, None, None, None, [], [2, 1]),
+        bench.Record("eagle3", "2", "qa", 0.0, 3, 1.0, 2, None, None, None, [], [1]),
+        bench.Record("hf", "1", "qa", 0.0, 6, 1.0, None, None, None, None, [], None),
+    ]
+    table = bench.summarize(records)
+    assert table[(0.0, "qa")]["eagle3"]["acceptance_per_depth"] == pytest.approx([0.6, 1 / 3])
+    assert table[(0.0, "qa")]["hf"]["acceptance_per_depth"] is None
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    where = bench.report_wandb(table, {"command": "test"}, tmp_path)
+    assert "offline" in where
+    logged = json.loads(next(tmp_path.rglob("bench_*.table.json")).read_text())  # the table, as W&B stores it
+    rows = {(r[0], r[1]): r for r in logged["data"]}
+    assert rows[("eagle3", "overall")][5] == pytest.approx(9 / 5)
+    assert json.loads(rows[("eagle3", "qa")][6]) == pytest.approx([0.6, 1 / 3])
+    history = next(tmp_path.rglob("run-*.wandb")).read_bytes()  # the metrics, named as training names them
+    assert b"eagle3/qa/T=0.0/head_2/acceptance" in history and b"eagle3/overall/T=0.0/acceptance_length" in history

