@@ -14,9 +14,10 @@ import transformers as tf
 from transformers import AutoTokenizer
 
 from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
+from headstart.heads.vocab import DraftReadout
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
-from headstart.train.losses import eagle_loss, medusa_loss
+from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
 from helpers.exactness import assert_greedy_identity, random_heads
 from helpers.models import tiny_tokenizer
 
@@ -36,7 +37,7 @@ FAMILIES = {
     "olmo2": lambda: tf.Olmo2Config(num_key_value_heads=2, eos_token_id=None, **COMMON),
     "gpt_neox": lambda: tf.GPTNeoXConfig(**COMMON),  # another module layout: gpt_neox.layers, final_layer_norm
 }
-DRAFTERS = ["none", "lookup", "layerskip", "model", "medusa", "eagle", "eagle+lookup"]
+DRAFTERS = ["none", "lookup", "layerskip", "model", "medusa", "eagle", "eagle+lookup", "eagle3", "eagle3+lookup"]
 REFUSED = {("gpt_neox", "eagle"): "EAGLE heads cannot be built for GPTNeoXForCausalLM: it lacks a decoder layer that "
            "takes `cache=`"}  # fmt: skip
 PROMPTS = [[5, 9, 3, 17, 22, 8, 41, 3, 17, 22, 8], [60, 12, 60, 12, 60, 7]]
@@ -57,11 +58,11 @@ def family(request, tmp_path_factory):
     tiny_tokenizer().save_pretrained(root / "draft")
     tokenizer = AutoTokenizer.from_pretrained(root / "draft")  # as the model drafter will load it
     options = {"layerskip": {"draft_layers": 1, "top_k": 2, "budget": 6}, "model": {"draft_model": str(root / "draft")}}
-    for kind, accuracy in (("medusa", [[0.6, 0.2], [0.4]]), ("eagle", [[0.6, 0.2], [0.4]])):
+    for kind in ("medusa", "eagle", "eagle3"):
         if (request.param, kind) in REFUSED:
             continue
         heads = random_heads(kind, model, 0.05, **({"num_heads": 2} if kind == "medusa" else {}))
-        extra = {"rank_accuracy": accuracy, "dtype": "float32"}
+        extra = {"rank_accuracy": [[0.6, 0.2], [0.4]], "dtype": "float32"}
         save_heads(root / kind, heads, kind, {"num_heads": 2} if kind == "medusa" else {},
                    target_fingerprint(model), extra)  # fmt: skip
         options[kind] = {"heads": str(root / kind)}
@@ -82,7 +83,7 @@ def test_greedy_identity_past_the_window(family, drafter):
         assert accepted > NEW_TOKENS, f"{name}: {accepted} draft tokens accepted"
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_each_head_kind_takes_a_training_step(family, kind):
     name, model, _, _ = family
     torch.manual_seed(0)
@@ -94,11 +95,16 @@ def test_each_head_kind_takes_a_training_step(family, kind):
     ids = torch.randint(3, 1000, (2, 24))
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, :4] = False
-    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    hidden = states[-1]
     before = [p.detach().clone() for p in heads.parameters()]
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)
     if kind == "medusa":
         loss = medusa_loss(heads, hidden, model.get_output_embeddings(), ids, mask, 2)
+    elif kind == "eagle3":  # a Llama draft layer on any target: the fused layers and the final feature
+        hidden = torch.cat([states[k] for k in (*heads.feature_layers, -1)], dim=-1)
+        lm_head = DraftReadout(model.get_output_embeddings(), None)
+        loss = eagle3_loss(heads, hidden, model.get_input_embeddings(), heads.logits, lm_head, ids, mask, unroll=2)
     else:
         loss, _ = eagle_loss(heads, hidden, model.get_input_embeddings(), model.get_output_embeddings(), ids, mask)
     loss.backward()
