@@ -85,7 +85,7 @@ def test_trained_drafters_default_to_the_shipped_heads(tiny_model_dir):
     from headstart.heads.checkpoint import shipped_heads
     from headstart.runtime.drafters.registry import make_drafter
 
-    for kind in ("medusa", "eagle"):
+    for kind in ("medusa", "eagle", "eagle3"):
         assert shipped_heads("smollm2-135m-instruct", kind) is not None
         assert shipped_heads(str(tiny_model_dir), kind) is None
     engine = Engine.load(str(tiny_model_dir))

