@@ -103,10 +103,14 @@ def main() -> int:
         "headstart_rounds": ours["rounds"], "headstart_accepted_per_depth": ours["accepted_per_depth"],
     }  # fmt: skip
     (out / "vllm-check.json").write_text(json.dumps(report, indent=2))
-    print(f"identical answers, vLLM with vs without the head: {same}/{len(prompts)} "
-          f"(vLLM with the head vs headstart: {same_as_ours}/{len(prompts)})")
-    print(f"acceptance length: vLLM {vllm_tau:.3f} ({drafts} drafts), headstart {ours['acceptance_length']:.3f} "
-          f"({ours['rounds']} rounds); gap {100 * gap:.1f} %")
+    print(
+        f"identical answers, vLLM with vs without the head: {same}/{len(prompts)} "
+        f"(vLLM with the head vs headstart: {same_as_ours}/{len(prompts)})"
+    )
+    print(
+        f"acceptance length: vLLM {vllm_tau:.3f} ({drafts} drafts), headstart {ours['acceptance_length']:.3f} "
+        f"({ours['rounds']} rounds); gap {100 * gap:.1f} %"
+    )
     print(f"accepted per position: vLLM {per_pos} of {drafts}; headstart {ours['accepted_per_depth']} "
           f"of {ours['rounds']}")  # fmt: skip
     ok = same >= len(prompts) - 1 and gap <= 0.15
