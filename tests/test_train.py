@@ -299,8 +299,12 @@ def test_fixed_batch_losses_are_pinned(kind):
 
 @pytest.mark.parametrize(
     "heads",
-    [["heads.kind=medusa"], ["heads.kind=eagle", "heads.unroll=2", "heads.feature_noise=0"]],  # noise: per-rank RNG
-    ids=["medusa", "eagle-unroll2"],  # eagle: several head forwards before one backward under DDP
+    [
+        ["heads.kind=medusa"],
+        ["heads.kind=eagle", "heads.unroll=2", "heads.feature_noise=0"],  # noise: per-rank RNG
+        ["heads.kind=eagle3", "heads.unroll=2"],
+    ],
+    ids=["medusa", "eagle-unroll2", "eagle3-unroll2"],  # several head forwards before one backward under DDP
 )
 def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
     """`accelerate launch --multi_gpu --num_processes 2` on the CPU (gloo) against 1 process with the

@@ -344,13 +344,15 @@ def drop_metrics_after(path: Path, step: int) -> None:
 def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> dict:
     """Copy the weights of the trained heads in `directory` into `heads`, all but the draft vocabulary.
 
-    Both kinds predict hidden states that the target's lm_head reads out, so their weights do not
+    Medusa and EAGLE predict hidden states that the target's lm_head reads out, so their weights do not
     depend on which tokens the readout scores: a run on new data recomputes the vocabulary from that
-    data and starts from these weights.
+    data and starts from these weights. An EAGLE-3 head's own lm_head has a row per draft token: it
+    keeps the vocabulary it was trained with.
     """
     try:
         trained, config = load_heads(directory, model, tokenizer)
-        state = {k: v for k, v in trained.state_dict().items() if k != "draft_vocab"}
+        own_rows = hasattr(trained, "lm_head")  # EAGLE-3
+        state = {k: v for k, v in trained.state_dict().items() if k != "draft_vocab" or own_rows}
         missing, unexpected = heads.load_state_dict(state, strict=False)
     except (ValueError, RuntimeError) as e:  # not a checkpoint, another target, other shapes
         raise ConfigError(f"heads.init_from: cannot start from {directory}: {e}") from e

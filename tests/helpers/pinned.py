@@ -14,19 +14,22 @@ from pathlib import Path
 import torch
 
 from headstart.heads.checkpoint import build_heads
-from headstart.train.losses import eagle_loss, medusa_loss
+from headstart.heads.vocab import DraftReadout
+from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
 from helpers.models import tiny_llama
 
 PINNED_FILE = Path(__file__).resolve().parents[1] / "pinned_losses.json"
-KINDS = ("medusa", "eagle", "eagle-unroll3")
+KINDS = ("medusa", "eagle", "eagle-unroll3", "eagle3-unroll3")
 
 
 def fixed_batch_losses(kind: str) -> list[float]:
-    """The five losses of `kind` (medusa, eagle, eagle-unrollN) on the fixed batch."""
+    """The five losses of `kind` (medusa, eagle, eagle-unrollN, eagle3-unrollN) on the fixed batch."""
     model = tiny_llama(vocab_size=64, init_std=0.2)
     torch.manual_seed(0)
     head_kind, _, unroll = kind.partition("-unroll")
     heads = build_heads(head_kind, model)
+    if head_kind == "eagle3":
+        heads.init_lm_head(model.lm_head)
     if head_kind == "medusa":
         for p in heads.parameters():  # zero-initialised blocks would make every head equal at step 0
             p.data.normal_(0, 0.02)
@@ -34,12 +37,17 @@ def fixed_batch_losses(kind: str) -> list[float]:
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, :3] = False
     with torch.no_grad():
-        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    hidden = states[-1]
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     losses = []
     for _ in range(5):
         if head_kind == "medusa":
             loss = medusa_loss(heads, hidden, model.lm_head, ids, mask, heads.num_heads)
+        elif head_kind == "eagle3":  # the fused layers and the final feature; p over the full vocabulary
+            fused = torch.cat([states[k] for k in (*heads.feature_layers, -1)], dim=-1)
+            readout = DraftReadout(model.lm_head, None)
+            loss = eagle3_loss(heads, fused, model.model.embed_tokens, heads.logits, readout, ids, mask, int(unroll))
         else:
             embed, lm_head = model.model.embed_tokens, model.lm_head
             loss, _ = eagle_loss(heads, hidden, embed, lm_head, ids, mask, unroll=int(unroll or 1))
