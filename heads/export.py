@@ -57,7 +57,8 @@ def check_exportable(config: dict, weights: dict[str, torch.Tensor]) -> None:
         raise ExportError("EAGLE-1 heads cannot be exported faithfully: their fc has a bias (vLLM drops it) and "
                           "they predict post-norm features; train an eagle3 head (heads.kind: eagle3)")  # fmt: skip
     if kind != "eagle3":
-        raise ExportError(f"{kind} heads cannot be exported: vLLM and SGLang load EAGLE-3 heads (heads.kind: eagle3)")
+        why = " (vLLM 0.33 removed Medusa; SGLang never had it)" if kind == "medusa" else ""
+        raise ExportError(f"{kind} heads cannot be exported: vLLM and SGLang load EAGLE-3 heads{why}")
     target = config["target"]
     layers = tuple(config.get("options", {}).get("layers", ()))
     expected = engine_feature_layers(target["num_layers"])
