@@ -1,15 +1,17 @@
 """Head checkpoints: a directory with `config.json` and `model.safetensors`, bound to one target.
 
 config.json holds the head kind and sizes, the training config and metrics (free-form dicts), and
-the target's fingerprint: architecture, vocab size, hidden size, layer count, and hashes of the
-tokenizer vocabulary and of the lm_head (taken at bfloat16 precision, so a float32 and a bfloat16
-load of one model agree). Loading onto another target fails with a message naming both.
+the target's fingerprint: architecture, vocab size, hidden size, layer count, the LoRA adapter
+applied on top (a hash, `runtime/adapters.py`), and hashes of the tokenizer vocabulary and of the
+lm_head (taken at bfloat16 precision, so a float32 and a bfloat16 load of one model agree).
+Loading onto another target fails with a message naming both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -45,6 +47,7 @@ def target_fingerprint(model: nn.Module, tokenizer=None, name: str | None = None
         "hidden_size": config.hidden_size,
         "num_layers": config.num_hidden_layers,
         "lm_head_sha": hashlib.sha256(lm_head.to(torch.bfloat16).float().cpu().numpy().tobytes()).hexdigest()[:16],
+        "adapter": getattr(config, "headstart_adapter", None),  # the LoRA adapter applied on top, if any
     }
     if tokenizer is not None:
         vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
@@ -53,18 +56,25 @@ def target_fingerprint(model: nn.Module, tokenizer=None, name: str | None = None
 
 
 def _describe(fp: dict) -> str:
+    adapter = f"adapter {fp['adapter']}" if fp.get("adapter") else "no adapter"
     return (
         f"{fp['name']} ({fp['architecture']}, vocab {fp['vocab_size']}, hidden {fp['hidden_size']}, "
-        f"{fp['num_layers']} layers, lm_head {fp['lm_head_sha']})"
+        f"{fp['num_layers']} layers, lm_head {fp['lm_head_sha']}, {adapter})"
     )
 
 
-def check_fingerprint(trained_for: dict, target: dict, where: str) -> None:
-    keys = [k for k in trained_for if k != "name" and k in target]
+def check_fingerprint(trained_for: dict, target: dict, where: str, allow_adapter_mismatch: bool = False) -> None:
+    """Refuse heads trained for another target. Another LoRA adapter (or none where the heads had one) is
+    refused too unless `allow_adapter_mismatch`: verification keeps the output exact, but acceptance may drop."""
+    keys = [k for k in trained_for if k not in ("name", "adapter") and k in target]
+    mismatch = f"heads in {where} were trained for {_describe(trained_for)}, not for the target {_describe(target)}"
     if any(trained_for[k] != target[k] for k in keys):
-        raise HeadsMismatchError(
-            f"heads in {where} were trained for {_describe(trained_for)}, not for the target {_describe(target)}"
-        )
+        raise HeadsMismatchError(mismatch)
+    if trained_for.get("adapter") != target.get("adapter"):  # heads from before adapters: trained on the base
+        if not allow_adapter_mismatch:
+            raise HeadsMismatchError(f"{mismatch} (--allow-adapter-mismatch runs them anyway: the output stays "
+                                     "exact, acceptance may drop)")  # fmt: skip
+        warnings.warn(f"{mismatch}: running them anyway; the output stays exact, acceptance may drop", stacklevel=2)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,7 +112,9 @@ def save_heads(
     return directory
 
 
-def load_heads(directory: str | Path, model: nn.Module, tokenizer=None) -> tuple[nn.Module, dict]:
+def load_heads(
+    directory: str | Path, model: nn.Module, tokenizer=None, allow_adapter_mismatch: bool = False
+) -> tuple[nn.Module, dict]:
     """Load heads from `directory` onto the target `model`; returns (module, config)."""
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -115,7 +127,8 @@ def load_heads(directory: str | Path, model: nn.Module, tokenizer=None) -> tuple
     if not isinstance(config, dict) or config.get("kind") not in KINDS or "target" not in config:
         raise ValueError(f"{directory} is not a heads checkpoint (its config.json names no head kind and target; "
                          "a model directory goes to --model)")  # fmt: skip
-    check_fingerprint(config["target"], target_fingerprint(model, tokenizer), str(directory))
+    target = target_fingerprint(model, tokenizer)
+    check_fingerprint(config["target"], target, str(directory), allow_adapter_mismatch)
     heads = build_heads(config["kind"], model, **config.get("options", {}))
     try:
         state = load_file(directory / "model.safetensors")

@@ -23,7 +23,8 @@ from headstart.train.distill import DERIVED
 
 # CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
 FLAGS = {"heads": "--heads", "budget": "--tree-budget", "depth": "--tree-depth", "top_k": "--tree-top-k",
-         "draft_vocab": "--draft-vocab", "draft_model": "--draft-model", "draft_layers": "--draft-layers"}  # fmt: skip
+         "draft_vocab": "--draft-vocab", "draft_model": "--draft-model", "draft_layers": "--draft-layers",
+         "allow_adapter_mismatch": "--allow-adapter-mismatch"}  # fmt: skip
 
 
 class UserError(Exception):
@@ -39,6 +40,13 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
     p.add_argument("--dtype", default=dtype, choices=list(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+
+
+def _add_adapter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a peft LoRA adapter directory applied on top of --model, merged into its weights")  # fmt: skip
+    p.add_argument("--no-merge", action="store_true",
+                   help="--adapter: keep the adapter live instead of merging it (slower, the same output)")  # fmt: skip
 
 
 def _add_profile_arg(p: argparse.ArgumentParser) -> None:
@@ -58,6 +66,8 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                    help="medusa, eagle, eagle3: read out only the N most frequent draft tokens")  # fmt: skip
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
+    p.add_argument("--allow-adapter-mismatch", action="store_true", default=None,
+                   help="run heads trained for another LoRA adapter, or none (exact; acceptance may drop)")  # fmt: skip
 
 
 def _add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None:
@@ -117,7 +127,8 @@ def _load_engine(args: argparse.Namespace):
     from headstart.runtime.engine import Engine
 
     options = _drafter_options(args, args.drafter)  # checked before the model loads
-    return Engine.load(args.model, args.dtype, args.drafter, args.device, args.profile, **options)
+    return Engine.load(args.model, args.dtype, args.drafter, args.device, args.profile, args.adapter,
+                       not args.no_merge, **options)  # fmt: skip
 
 
 def _sampling(temperature: float, top_k: int = 0, top_p: float = 1.0):
@@ -136,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt or a prompt file")
     _add_model_args(g, "float32")
+    _add_adapter_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", help="JSONL rows with 'turns' (the first turn is used) or 'prompt'")
@@ -151,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
     _add_model_args(b, "bfloat16")
+    _add_adapter_args(b)
     b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
     b.add_argument("--methods", default="plain,hf,lookup",
                    help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
@@ -171,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ds = sub.add_parser("distill", help="self-distillation: the target answers training prompts (resumable)")
     _add_model_args(ds, "bfloat16")
+    _add_adapter_args(ds)
     ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
     ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")
     ds.add_argument("--permissive-only", action="store_true", help="only rows with permissive: true")
@@ -196,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
     _add_model_args(sv, "bfloat16")
+    _add_adapter_args(sv)
     _add_drafter_args(sv)
     sv.add_argument("--served-model-name", default=None,
                     help="the `model` clients pass (default: --model's last path part, never a path)")  # fmt: skip
@@ -412,7 +427,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.derive is None:
         prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
                                skip_malformed=True)  # fmt: skip
-    model, tokenizer = load_model(args.model, args.dtype, args.device)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, args.adapter, not args.no_merge)
     if args.derive is not None:
         prompts = derived_prompts(args.derive, args.out, tokenizer, args.limit or 1000)
     if args.engine:
@@ -472,7 +487,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     options = _flag_values(args, [k for k in FLAGS if k not in ("heads", "budget")])
     options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads}
     bench.method_options(methods, options)  # every method and option checked before the model loads
-    engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile)
+    engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge)
     records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,
                               categories, args.seed, **options)  # fmt: skip
     table = bench.summarize(records)

@@ -73,14 +73,17 @@ class Engine:
         drafter: str = "none",
         device: str = "cpu",
         profile: str | None = None,
+        adapter: str | None = None,
+        merge_adapter: bool = True,
         **options: Any,
     ) -> Engine:
         """Load `model` and build its default `drafter` (a spec such as `eagle+lookup`, `medusa:16`).
 
         `options` go to the drafter (`heads=DIR`, `budget=`, `depth=` ...: `registry.option_names`);
-        `profile` None picks the model's own (`profiles.default_profile`).
+        `profile` None picks the model's own (`profiles.default_profile`); `adapter` is a peft LoRA
+        adapter directory applied on top (`runtime/adapters.py`), merged unless `merge_adapter` is False.
         """
-        hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
+        hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
         engine = cls(hf_model, tokenizer, model_name=model, profile=profile)
         engine.drafter = engine.make_drafter(drafter, **options)
         return engine

@@ -113,9 +113,16 @@ def resolve_model_dir(name: str) -> Path:
 
 
 def load_model(
-    name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    name: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    adapter: str | None = None,
+    merge_adapter: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a frozen causal LM and its tokenizer from `name` (see the module docstring); never from a hub."""
+    """Load a frozen causal LM and its tokenizer from `name` (see the module docstring); never from a hub.
+
+    `adapter`: a peft LoRA adapter directory applied on top, merged into the weights unless
+    `merge_adapter` is False (`runtime/adapters.py`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,6 +131,10 @@ def load_model(
             raise ModelError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
         dtype = getattr(torch, dtype)
     path = resolve_model_dir(name)
+    if adapter:
+        from headstart.runtime.adapters import read_adapter
+
+        read_adapter(adapter)  # a directory that is no LoRA adapter is refused before the model loads
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
@@ -131,6 +142,10 @@ def load_model(
         )
     except Exception as e:  # a truncated or foreign file raises whatever its reader raises: one line, not a traceback
         raise ModelError(f"cannot load model from {path}: {type(e).__name__}: {str(e)[:300]}") from e
+    if adapter:
+        from headstart.runtime.adapters import apply_adapter
+
+        model = apply_adapter(model, adapter, merge=merge_adapter)
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
 

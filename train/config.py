@@ -20,6 +20,7 @@ import yaml
 class TargetConfig:
     model: str = "smollm2-135m-instruct"  # as `headstart --model`; or `tiny:<layers>` for a random test model
     dtype: str = "float32"  # of the frozen target; heads train in float32 (+ autocast where available)
+    adapter: str = ""  # a peft LoRA adapter directory applied on top of the model (merged); "" = none
 
 
 @dataclass

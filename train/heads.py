@@ -55,7 +55,7 @@ def load_target(cfg: TrainConfig):
         model = LlamaForCausalLM(config).eval().requires_grad_(False)
         model.config.name_or_path = "tiny"
         return model, tokenizer
-    model, tokenizer = load_model(cfg.target.model, dtype=cfg.target.dtype)
+    model, tokenizer = load_model(cfg.target.model, dtype=cfg.target.dtype, adapter=cfg.target.adapter or None)
     model.config.name_or_path = cfg.target.model
     return model, tokenizer
 
@@ -369,6 +369,8 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
         raise ConfigError(f"heads.kind must be one of {', '.join(KINDS)} or a comma list; got '{cfg.heads.kind}'")
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
+    if cfg.target.adapter and cfg.target.model == "tiny":
+        raise ConfigError("target.adapter: the built-in `tiny` target takes no adapter (save a model, pass its path)")
     if len(kinds) == 1:
         return {kinds[0]: run_one(cfg, last=True)}
     results = {}

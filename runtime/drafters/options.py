@@ -49,6 +49,7 @@ class GraftOptions:
 class HeadsOptions:
     heads: str | None = None  # trained heads directory; None: the heads shipped for the model, if any
     draft_vocab: int | None = None  # read out only the N most frequent draft tokens; None: all of them
+    allow_adapter_mismatch: bool = False  # run heads trained for another LoRA adapter (exact, acceptance may drop)
 
     def __post_init__(self) -> None:
         if self.draft_vocab is not None:

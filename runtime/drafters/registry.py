@@ -77,7 +77,7 @@ def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
     if heads is None or ctx.model is None:
         shipped = f": none are shipped for {ctx.model_name}" if ctx.model_name else ""
         raise ValueError(f"the {kind} drafter needs trained heads (--heads DIR){shipped}")
-    module, config = load_heads(heads, ctx.model, ctx.tokenizer)
+    module, config = load_heads(heads, ctx.model, ctx.tokenizer, options.allow_adapter_mismatch)
     if config["kind"] != kind:
         raise ValueError(f"{heads} holds {config['kind']} heads, not {kind} heads")
     return module, config
