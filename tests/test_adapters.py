@@ -3,6 +3,7 @@ and adapter directories that cannot be used refused in one line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,15 @@ def test_training_config_takes_an_adapter(tmp_path, capsys):
     smoke = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
     assert train_heads.main(["--config", smoke, "target.adapter=some/dir", f"output_dir={tmp_path}"]) == 2
     assert "the built-in `tiny` target takes no adapter" in capsys.readouterr().err
+
+
+def test_bench_methods_take_the_adapter(tiny_model_dir, adapters, tmp_path):
+    """transformers' generate (`hf`) and our loop decode the same adapted model: the same greedy tokens."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "1", "category": "a", "turns": ["the cat sat on the mat"]}\n')
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_model_dir), "--adapter", adapters["a"], "--dtype", "float32", "--prompts",
+            str(prompts), "--methods", "plain,hf,lookup", "--max-new-tokens", "12", "--out", str(out)]  # fmt: skip
+    assert cli(args) == 0
+    records = json.loads(next((tmp_path / "out").glob("bench-*.json")).read_text())["records"]
+    assert all(r["same_as_plain"] for r in records if r["method"] != "plain")
