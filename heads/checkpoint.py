@@ -47,8 +47,10 @@ def target_fingerprint(model: nn.Module, tokenizer=None, name: str | None = None
         "hidden_size": config.hidden_size,
         "num_layers": config.num_hidden_layers,
         "lm_head_sha": hashlib.sha256(lm_head.to(torch.bfloat16).float().cpu().numpy().tobytes()).hexdigest()[:16],
-        "adapter": getattr(config, "headstart_adapter", None),  # the LoRA adapter applied on top, if any
     }
+    adapter = getattr(config, "headstart_adapter", None)  # the LoRA adapter applied on top, if any
+    if adapter:  # written only when there is one: fingerprints of plain targets stay as they were
+        fp["adapter"] = adapter
     if tokenizer is not None:
         vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
         fp["tokenizer_sha"] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
