@@ -500,7 +500,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     print(bench.markdown(table))
     print(f"records: {json_path}\ntable: {md_path}\nchart: {png_path}", file=sys.stderr)
     if args.report_to == "wandb":
-        print(bench.report_wandb(table, meta, Path(args.out), run_name=f"bench-{json_path.stem}"), file=sys.stderr)
+        print(bench.report_wandb(table, meta, Path(args.out), run_name=json_path.stem), file=sys.stderr)
     return 0
 
 

@@ -20,9 +20,9 @@ from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.engine import Engine
 from headstart.runtime.prompts import load_prompts
 
-DRAFTERS = ("none", "lookup", "medusa", "eagle", "eagle+lookup", "layerskip", "model")
+DRAFTERS = ("none", "lookup", "medusa", "eagle", "eagle+lookup", "eagle3", "layerskip", "model")
 DRAFT_LAYERS = 8  # layerskip drafts with the target's first 8 layers; the model drafter with them saved apart
-BENCH_METHODS = ["plain", "lookup", "medusa+lookup", "eagle", "eagle+lookup"]
+BENCH_METHODS = ["plain", "lookup", "medusa+lookup", "eagle", "eagle+lookup", "eagle3+lookup"]
 
 
 def check_identity(model_name: str, device: str, prompts: list[str], max_new_tokens: int) -> dict[str, str]:
