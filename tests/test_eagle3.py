@@ -1,5 +1,5 @@
-"""EAGLE-3: the head against the engines' forward written out by hand, its training-time test, training and
-exact decoding with trained heads, and the export to the layout vLLM and SGLang load."""
+"""EAGLE-3: the head against the engines' forward written out by hand, training and exact decoding with trained
+heads, and the export to the layout vLLM and SGLang load (its training-time test: tests/test_train.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from headstart.cli import main as cli
 from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
 from headstart.heads.eagle3 import engine_feature_layers, feature_layers
 from headstart.heads.export import export_heads
-from headstart.train.losses import eagle_unroll
 from helpers.exactness import assert_identity_with_trained_heads, random_heads
 from helpers.models import tiny_llama
 
@@ -68,25 +67,6 @@ def test_feature_layers_of_shallow_targets_stay_inside_the_model():
         build_heads("eagle3", tiny_llama(), layers=[1, 2, 3])
     with pytest.raises(ValueError, match="larger than the target's 64"):
         build_heads("eagle3", tiny_llama(vocab_size=64), draft_vocab=65)
-
-
-def test_unroll_matches_drafting_step_by_step():
-    """Step 1 reads the fused target layers (3H) through fc; later steps the head's own y, as drafting does."""
-    from transformers import DynamicCache
-
-    model = tiny_llama(vocab_size=64, layers=8)
-    head = random_heads("eagle3", model, 0.1)
-    T, H = 6, model.config.hidden_size
-    fused, embeds = torch.randn(1, T, 3 * H), torch.randn(1, T, H)  # embeds[s]: token s + 1
-    with torch.no_grad():
-        outs = eagle_unroll(head, fused, embeds, 3)
-        for k in (1, 2, 3):
-            for r in range(T - k + 1):
-                cache = DynamicCache()
-                out = head(fused[:, : r + 1], embeds[:, : r + 1], torch.arange(r + 1)[None], cache=cache)[:, -1:]
-                for s in range(r + 1, r + k):
-                    out = head(out, embeds[:, s : s + 1], torch.tensor([[s]]), cache=cache)
-                torch.testing.assert_close(outs[k - 1][:, r + k - 1], out[:, 0], rtol=1e-4, atol=1e-5)
 
 
 def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):

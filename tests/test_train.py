@@ -56,21 +56,23 @@ def test_unroll_mask_drawn_out():
     assert torch.equal(unroll_mask(5, 1), torch.ones(5, 5, dtype=torch.bool).tril())
 
 
-def test_unroll_matches_drafting_step_by_step():
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_unroll_matches_drafting_step_by_step(kind):
     """out_k[s] of eagle_unroll = the head run as the drafter runs it: true pairs up to the root
-    r = s - k + 1 in its cache, then one call per step on its own previous output."""
+    r = s - k + 1 in its cache, then one call per step on its own previous output (EAGLE-3: step 1 reads
+    the three fused target layers, 3H, through fc; later steps its own y)."""
     from transformers import DynamicCache
 
     from headstart.heads.checkpoint import build_heads
     from helpers.models import tiny_llama
 
-    model = tiny_llama(vocab_size=64)
+    model = tiny_llama(vocab_size=64, layers=8)
     torch.manual_seed(0)
-    head = build_heads("eagle", model).eval()
+    head = build_heads(kind, model).eval()
     for p in head.parameters():
         p.data.normal_(0, 0.1)
     T, H = 7, model.config.hidden_size
-    features, embeds = torch.randn(1, T, H), torch.randn(1, T, H)  # embeds[s]: token s + 1
+    features, embeds = torch.randn(1, T, H * len(head.feature_layers)), torch.randn(1, T, H)  # embeds[s]: token s + 1
     with torch.no_grad():
         outs = eagle_unroll(head, features, embeds, 3)
         for k in (1, 2, 3):
