@@ -114,10 +114,8 @@ def save_heads(
     return directory
 
 
-def load_heads(
-    directory: str | Path, model: nn.Module, tokenizer=None, allow_adapter_mismatch: bool = False
-) -> tuple[nn.Module, dict]:
-    """Load heads from `directory` onto the target `model`; returns (module, config)."""
+def read_checkpoint(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, weights) of a heads directory, or a ValueError in one line saying what is wrong."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file() or not (directory / "model.safetensors").is_file():
@@ -126,15 +124,26 @@ def load_heads(
         config = json.loads(config_path.read_text())
     except ValueError as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict) or config.get("kind") not in KINDS or "target" not in config:
+    if not isinstance(config, dict) or config.get("kind") not in KINDS or not isinstance(config.get("target"), dict):
         raise ValueError(f"{directory} is not a heads checkpoint (its config.json names no head kind and target; "
                          "a model directory goes to --model)")  # fmt: skip
+    try:
+        weights = load_file(directory / "model.safetensors")
+    except Exception as e:  # a truncated or foreign file: one line naming it
+        raise ValueError(f"cannot read the heads in {directory}: {type(e).__name__}: {str(e)[:200]}") from e
+    return config, weights
+
+
+def load_heads(
+    directory: str | Path, model: nn.Module, tokenizer=None, allow_adapter_mismatch: bool = False
+) -> tuple[nn.Module, dict]:
+    """Load heads from `directory` onto the target `model`; returns (module, config)."""
+    config, state = read_checkpoint(directory)
     target = target_fingerprint(model, tokenizer)
     check_fingerprint(config["target"], target, str(directory), allow_adapter_mismatch)
     heads = build_heads(config["kind"], model, **config.get("options", {}))
     try:
-        state = load_file(directory / "model.safetensors")
         heads.load_state_dict({k: _cast(v, model.dtype) for k, v in state.items()})
-    except Exception as e:  # truncated file, or weights of other shapes: one line naming the file
-        raise ValueError(f"cannot load {directory / 'model.safetensors'}: {type(e).__name__}: {str(e)[:200]}") from e
+    except RuntimeError as e:  # weights of other shapes: one line naming the file
+        raise ValueError(f"cannot load {Path(directory) / 'model.safetensors'}: {str(e)[:200]}") from e
     return heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False), config

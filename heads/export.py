@@ -25,8 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from headstart.heads.checkpoint import read_checkpoint
 from headstart.heads.eagle3 import engine_feature_layers
 
 FORMATS = ("specforge", "speculators")
@@ -34,21 +35,6 @@ FORMATS = ("specforge", "speculators")
 
 class ExportError(ValueError):
     """Heads that cannot be exported faithfully, or an unusable output folder."""
-
-
-def read_checkpoint(heads_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, weights) of a headstart heads directory, or an ExportError saying what is wrong."""
-    config_path, weights_path = heads_dir / "config.json", heads_dir / "model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise ExportError(f"{heads_dir} is not a heads checkpoint (needs config.json and model.safetensors)")
-    try:
-        config = json.loads(config_path.read_text())
-        weights = load_file(str(weights_path))
-    except Exception as e:  # bad JSON, a truncated or foreign safetensors file: one line naming the file
-        raise ExportError(f"cannot read the heads in {heads_dir}: {type(e).__name__}: {str(e)[:200]}") from e
-    if not isinstance(config, dict) or "kind" not in config or not isinstance(config.get("target"), dict):
-        raise ExportError(f"{config_path} names no head kind and target: not a headstart heads checkpoint")
-    return config, weights
 
 
 def check_exportable(config: dict, weights: dict[str, torch.Tensor]) -> None:
