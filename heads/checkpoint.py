@@ -23,7 +23,7 @@ from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.medusa import MedusaHeads
 
-KINDS = ("medusa", "eagle", "eagle3")
+KINDS = ("medusa", "medusa2", "eagle", "eagle3")  # medusa2: Medusa heads + the LoRA adapter they trained with
 SHIPPED = Path(str(resources.files("headstart.heads") / "trained"))  # heads this project trained and ships
 
 
@@ -86,7 +86,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
     """A fresh head module of `kind` for the target `model`."""
-    if kind == "medusa":
+    if kind in ("medusa", "medusa2"):
         heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, **options)
         heads.init_lm_heads(model.get_output_embeddings())
         return heads

@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
     b.add_argument("--eagle3-heads", default=None, help="EAGLE-3 head directory (default: shipped)")
+    b.add_argument("--medusa2-heads", default=None,
+                   help="Medusa-2 heads directory (default: shipped); run on --model + their adapter")  # fmt: skip
     _add_tree_args(b)
     _add_profile_arg(b)
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
@@ -203,6 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-model-check", action="store_true", help="--engine: skip the probe that the server serves --model"
     )
     ds.add_argument("--seed", type=_seed, default=0)
+
+    dr = sub.add_parser("drift", help="how far a LoRA adapter (Medusa-2 heads' own) moves the model's answers")
+    dr.add_argument("adapter", help="a peft LoRA adapter directory, or Medusa-2 heads (which hold theirs)")
+    dr.add_argument("--model", default=None, help="the base model (default: the one the heads were trained for)")
+    dr.add_argument("--dtype", default="float32", choices=DTYPES)
+    dr.add_argument("--device", default="cpu")
+    dr.add_argument("--prompts", default=None,
+                    help="JSONL prompt file (default: the prompts the heads' training run held out)")  # fmt: skip
+    dr.add_argument("--data", default=None, help="the training run's distilled data, if it moved")
+    dr.add_argument("--limit", type=_at_least_one, default=20, help="prompts")
+    dr.add_argument("--max-new-tokens", type=_at_least_one, default=128)
+    dr.add_argument("--out", default="bench-results", help="folder for the JSON results")
 
     r = sub.add_parser("report", help="per-head training curves of several runs in one PNG")
     r.add_argument("runs", nargs="+", help="training output directories (with metrics.jsonl)")
@@ -271,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "distill":
             return cmd_distill(args)
+        if args.command == "drift":
+            return cmd_drift(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "report":
             from headstart.train.report import draw_report
 
@@ -463,6 +479,27 @@ def _bench_prompts(path: str | None) -> str:
     return SPEC_BENCH
 
 
+def cmd_drift(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.runtime.engine import Engine
+    from headstart.train.drift import held_out_prompts, measure_drift, save_drift, summarize_drift
+
+    config = Path(args.adapter) / "config.json"
+    trained_for = json.loads(config.read_text()).get("target", {}).get("name") if config.is_file() else None
+    model = args.model or trained_for or DEFAULT_MODEL
+    engine = Engine.load(model, args.dtype, "none", args.device, adapter=args.adapter, merge_adapter=False)
+    if args.prompts:
+        prompts = [engine.encode(p.text) for p in load_prompts(args.prompts, limit=args.limit)]
+    else:
+        prompts = held_out_prompts(args.adapter, args.limit, args.data)
+    results = measure_drift(engine, prompts, args.max_new_tokens)
+    summary = summarize_drift(results)
+    meta = {"command": "headstart " + " ".join(argv), "model": model, "adapter": args.adapter, "dtype": args.dtype}
+    path = save_drift(results, summary, Path(args.out), meta)
+    print(json.dumps(summary, indent=2))
+    print(f"results: {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     import platform
     from pathlib import Path
@@ -485,7 +522,8 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     options = _flag_values(args, [k for k in FLAGS if k not in ("heads", "budget")])
-    options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads}
+    options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads,
+                        "medusa2": args.medusa2_heads}  # fmt: skip
     bench.method_options(methods, options)  # every method and option checked before the model loads
     engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge)
     records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,

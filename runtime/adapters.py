@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,11 @@ WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 class AdapterError(ValueError):
     """An adapter directory that cannot be applied to the target: the message says why, in one line."""
+
+
+def is_adapter_dir(directory: str | Path) -> bool:
+    """Whether `directory` holds a peft adapter (its config file); `read_adapter` says whether it is usable."""
+    return (Path(directory) / CONFIG).is_file()
 
 
 def read_adapter(directory: str | Path) -> tuple[dict, Path]:
@@ -52,7 +58,9 @@ def apply_adapter(model: Any, directory: str | Path, merge: bool = True) -> Any:
 
     sha = adapter_sha(directory)  # validates the directory first
     try:
-        adapted = PeftModel.from_pretrained(model, str(directory), is_trainable=False)
+        with warnings.catch_warnings():  # transformers 5 deprecates a name peft still reads: noise for users
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            adapted = PeftModel.from_pretrained(model, str(directory), is_trainable=False)
     except Exception as e:  # weights of other shapes, modules the model lacks: one line naming both
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
         raise AdapterError(f"cannot apply the adapter in {directory} to {name}: {type(e).__name__}: "

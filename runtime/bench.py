@@ -6,6 +6,9 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   hf-lookup  `model.generate(prompt_lookup_num_tokens=10)`
   any drafter spec (`registry.parse_spec`): lookup, medusa, eagle, eagle+lookup, layerskip:N, model:PATH,
   medusa:B (tree budget) ... — one run can compare several variants of one drafter.
+  Heads trained with a LoRA on the target (medusa2) run on base + that adapter, loaded beside the
+  base: their speed compares with plain decoding of the base (merged, the same cost per token), and
+  their tokens are not compared with plain's (another model, see `headstart drift`).
 Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart
 of speedup and acceptance length per category and method.
 """
@@ -21,8 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from headstart.runtime.adapters import adapter_sha
 from headstart.runtime.drafters.base import Drafter
-from headstart.runtime.drafters.registry import option_names, parse_spec
+from headstart.runtime.drafters.registry import heads_adapter, option_names, parse_spec
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.prompts import load_prompts
@@ -47,6 +51,7 @@ class Record:
     same_as_plain: bool | None  # token ids equal to `plain`'s (greedy only)
     token_ids: list[int]
     accepted_per_depth: list[int] | None = None  # [d-1]: rounds whose accepted path reached depth d
+    adapter: str | None = None  # the LoRA adapter of the target this method ran on, where not plain's
 
 
 def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
@@ -120,27 +125,48 @@ def run_bench(
     depth, top_k, draft_vocab ...
     """
     options = method_options(methods, draft_options)  # every name checked before any loading
-    drafters = {m: engine.make_drafter("none" if m == "plain" else m, **o) for m, o in options.items()}
+    engines = method_engines(engine, options)
+    drafters = {m: engines[m].make_drafter("none" if m == "plain" else m, **o) for m, o in options.items()}
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection
-        run_method(engine, method, drafters, encoded[0], SamplingParams(), 16, seed)
+        run_method(engines.get(method, engine), method, drafters, encoded[0], SamplingParams(), 16, seed)
     records: list[Record] = []
     jobs = [(t, i) for t in temperatures for i in range(len(prompts))]
     for temperature, i in tqdm(jobs, desc="bench", unit="prompt", dynamic_ncols=True):
         sampling = SamplingParams(temperature)
         plain_tokens = None
         for method in methods:
+            runs_on = engines.get(method, engine)
             tokens, seconds, passes, draft_ms, verify_ms, per_depth = run_method(
-                engine, method, drafters, encoded[i], sampling, max_new_tokens, seed
+                runs_on, method, drafters, encoded[i], sampling, max_new_tokens, seed
             )
             if method == "plain":
                 plain_tokens = tokens
             same = tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None
+            adapter = None if runs_on is engine else runs_on.adapter
             prompt = prompts[i]
-            row = (len(tokens), seconds, passes, draft_ms, verify_ms, same, tokens, per_depth)
+            row = (len(tokens), seconds, passes, draft_ms, verify_ms, same if adapter is None else None, tokens,
+                   per_depth, adapter)  # fmt: skip
             records.append(Record(method, prompt.id, prompt.category, temperature, *row))
     return records
+
+
+def method_engines(engine: Engine, options: dict[str, dict]) -> dict[str, Engine]:
+    """The engine each drafter method runs on: `engine`, or for heads trained with their own LoRA adapter
+    (Medusa-2) the same model + that adapter, loaded once per adapter."""
+    engines, loaded = {}, {}
+    for method, o in options.items():
+        adapter = heads_adapter("none" if method == "plain" else method, engine.model_name, o.get("heads"))
+        if adapter is None or adapter_sha(adapter) == engine.adapter_sha:
+            engines[method] = engine
+            continue
+        if adapter not in loaded:
+            dtype = str(engine.target.dtype).removeprefix("torch.")
+            loaded[adapter] = Engine.load(engine.model_name, dtype, "none", str(engine.target.device), engine.profile,
+                                          adapter)  # fmt: skip
+        engines[method] = loaded[adapter]
+    return engines
 
 
 def summarize(records: list[Record]) -> dict:
@@ -283,6 +309,8 @@ def save(records: list[Record], table: dict, out_dir: Path, meta: dict) -> tuple
     md_path = out_dir / f"bench-{stamp}.md"
     summary = {f"T={t}/{c}": row for (t, c), row in table.items()}
     json_path.write_text(json.dumps({"meta": meta, "summary": summary, "records": [asdict(r) for r in records]}))
-    md_path.write_text(f"`{meta['command']}`\n\n{meta['machine']}\n" + markdown(table))
+    others = sorted({(r.method, r.adapter) for r in records if r.adapter})
+    notes = "".join(f"\n{m} ran on the model + the LoRA adapter in {a} (its heads' own)\n" for m, a in others)
+    md_path.write_text(f"`{meta['command']}`\n\n{meta['machine']}\n{notes}" + markdown(table))
     png_path = chart(table, out_dir / f"bench-{stamp}.png", meta["machine"])
     return json_path, md_path, png_path

@@ -20,7 +20,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.runtime.drafters.base import Drafter
-from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.drafters.registry import heads_adapter, make_drafter
 from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.models import DEFAULT_MODEL, load_model
 from headstart.runtime.sampling import SamplingParams
@@ -52,13 +52,15 @@ class Engine:
         drafter: Drafter | None = None,
         model_name: str | None = None,
         profile: str | None = None,
+        adapter: str | None = None,
     ) -> None:
         """`model_name`: what the model was loaded by (its shipped heads and profile go by it); `profile`: the
-        drafter profile of `make_drafter` (None: the model's own, `profiles.default_profile`)."""
+        drafter profile of `make_drafter` (None: the model's own, `profiles.default_profile`); `adapter`: the
+        LoRA adapter directory applied to the model, if any."""
         self.target = Target(model)
         self.tokenizer = tokenizer
         self.drafter = drafter or Drafter()
-        self.model_name, self.profile = model_name, profile
+        self.model_name, self.profile, self.adapter = model_name, profile, adapter
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -81,12 +83,20 @@ class Engine:
 
         `options` go to the drafter (`heads=DIR`, `budget=`, `depth=` ...: `registry.option_names`);
         `profile` None picks the model's own (`profiles.default_profile`); `adapter` is a peft LoRA
-        adapter directory applied on top (`runtime/adapters.py`), merged unless `merge_adapter` is False.
+        adapter directory applied on top (`runtime/adapters.py`), merged unless `merge_adapter` is False;
+        None: the adapter the drafter's heads were trained with, if any (Medusa-2 heads hold theirs).
         """
+        if adapter is None:
+            adapter = heads_adapter(drafter, model, options.get("heads"))
         hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
-        engine = cls(hf_model, tokenizer, model_name=model, profile=profile)
+        engine = cls(hf_model, tokenizer, model_name=model, profile=profile, adapter=adapter)
         engine.drafter = engine.make_drafter(drafter, **options)
         return engine
+
+    @property
+    def adapter_sha(self) -> str | None:
+        """The hash of the LoRA adapter the model carries (`runtime/adapters.py`), None for a plain model."""
+        return getattr(self.target.model.config, "headstart_adapter", None)
 
     def make_drafter(self, spec: str, **options: Any) -> Drafter:
         """A new drafter for this engine's model and profile (`registry.make_drafter`)."""

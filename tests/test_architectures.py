@@ -8,6 +8,8 @@ what this test proves.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers as tf
@@ -17,7 +19,9 @@ from headstart.heads.checkpoint import build_heads, save_heads, target_fingerpri
 from headstart.heads.vocab import DraftReadout
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
+from headstart.train.config import LoraConfig
 from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
+from headstart.train.medusa2 import AdaptedTarget, attach_lora, medusa2_loss
 from helpers.exactness import assert_greedy_identity, random_heads
 from helpers.models import tiny_tokenizer
 
@@ -83,7 +87,7 @@ def test_greedy_identity_past_the_window(family, drafter):
         assert accepted > NEW_TOKENS, f"{name}: {accepted} draft tokens accepted"
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "medusa2"])
 def test_each_head_kind_takes_a_training_step(family, kind):
     name, model, _, _ = family
     torch.manual_seed(0)
@@ -91,15 +95,22 @@ def test_each_head_kind_takes_a_training_step(family, kind):
         with pytest.raises(ValueError, match=REFUSED[name, kind]):
             build_heads(kind, model)
         return
-    heads = build_heads(kind, model, **({"num_heads": 2} if kind == "medusa" else {}))
+    heads = build_heads(kind, model, **({"num_heads": 2} if kind.startswith("medusa") else {}))
     ids = torch.randint(3, 1000, (2, 24))
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, :4] = False
     states = model(input_ids=ids, output_hidden_states=True).hidden_states
     hidden = states[-1]
-    before = [p.detach().clone() for p in heads.parameters()]
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)
-    if kind == "medusa":
+    trained = list(heads.parameters())
+    if kind == "medusa2":  # a LoRA on every linear layer (a copy: the fixture's model is shared)
+        joint = AdaptedTarget(attach_lora(copy.deepcopy(model), LoraConfig(r=2)), heads)
+        trained += [p for p in joint.target.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in trained]
+    optimizer = torch.optim.AdamW(trained, lr=1e-3)
+    if kind == "medusa2":
+        lm_head = model.get_output_embeddings()
+        loss = medusa2_loss(joint, heads, lm_head, lm_head.weight, ids, torch.ones_like(ids), mask, 2, 1.0)
+    elif kind == "medusa":
         loss = medusa_loss(heads, hidden, model.get_output_embeddings(), ids, mask, 2)
     elif kind == "eagle3":  # a Llama draft layer on any target: the fused layers and the final feature
         hidden = torch.cat([states[k] for k in (*heads.feature_layers, -1)], dim=-1)
@@ -110,4 +121,6 @@ def test_each_head_kind_takes_a_training_step(family, kind):
     loss.backward()
     optimizer.step()
     assert torch.isfinite(loss), f"{name}/{kind}: loss {loss}"
-    assert any(not torch.equal(a, b) for a, b in zip(before, heads.parameters(), strict=True))
+    moved = [not torch.equal(a, b) for a, b in zip(before, trained, strict=True)]
+    n = len(list(heads.parameters()))
+    assert any(moved[:n]) and (kind != "medusa2" or any(moved[n:]))  # medusa2: the LoRA's B (zero at first) too

@@ -61,9 +61,17 @@ def test_accelerate_lines_name_configs_that_load(line):
 
 @pytest.mark.model
 @pytest.mark.parametrize("line", [c for c in commands() if c.startswith("headstart generate")])
-def test_generate_commands_run(line, tiny_model_dir, capsys):
-    """As written, but 8 new tokens; `path/to/hf-model-dir` is a tiny model directory."""
-    argv = [str(tiny_model_dir) if a == "path/to/hf-model-dir" else a for a in shlex.split(line)[1:]]
+def test_generate_commands_run(line, tiny_model_dir, tmp_path, capsys):
+    """As written, but 8 new tokens; `path/to/hf-model-dir` is a tiny model directory, `path/to/lora` a LoRA for it."""
+    from peft import LoraConfig, get_peft_model
+
+    from headstart.runtime.models import load_model
+
+    get_peft_model(load_model(str(tiny_model_dir))[0], LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "lora"
+    )
+    paths = {"path/to/hf-model-dir": str(tiny_model_dir), "path/to/lora": str(tmp_path / "lora")}
+    argv = [paths.get(a, a) for a in shlex.split(line)[1:]]
     code, out = main([*argv, "--max-new-tokens", "8"]), capsys.readouterr()
     assert code == 0, out.err
     assert "[8 tokens" in out.err or '"new_tokens": 8' in out.out, out

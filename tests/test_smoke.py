@@ -1,5 +1,5 @@
 """configs/smoke.yaml end to end, as its header launches it (one process, then the README's two-process DDP check):
-both head kinds, offline W&B, about a minute each. The tiny target uses the embedded SmolLM2 tokenizer."""
+Medusa, EAGLE and Medusa-2, offline W&B, about a minute each. The tiny target uses the embedded SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -19,14 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("launch", [["--num_processes", "1"], ["--multi_gpu", "--num_processes", "2"]],
                          ids=["one-process", "ddp-two-processes"])  # fmt: skip
-def test_smoke_config_trains_both_kinds(tmp_path, launch):
+def test_smoke_config_trains_every_kind(tmp_path, launch):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     cmd = [*ACCELERATE_LAUNCH, *launch, "train/heads.py", "--config", "configs/smoke.yaml",
            f"output_dir={tmp_path}", f"data.path={tmp_path / 'data'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "W&B logs offline" in proc.stderr
-    for kind in ("medusa", "eagle"):
+    assert (tmp_path / "medusa2" / "heads" / "adapter_config.json").is_file()  # Medusa-2 keeps its LoRA there
+    for kind in ("medusa", "eagle", "medusa2"):
         out = tmp_path / kind
         assert (out / "heads" / "model.safetensors").is_file()
         assert list((out / "checkpoints").glob("step-*/trainer.json"))

@@ -305,8 +305,9 @@ def test_fixed_batch_losses_are_pinned(kind):
         ["heads.kind=medusa"],
         ["heads.kind=eagle", "heads.unroll=2", "heads.feature_noise=0"],  # noise: per-rank RNG
         ["heads.kind=eagle3", "heads.unroll=2"],
+        ["heads.kind=medusa2", "heads.lora.r=4", "heads.lora.lr=0.01"],  # the LoRA trains too: DDP over both
     ],
-    ids=["medusa", "eagle-unroll2", "eagle3-unroll2"],  # several head forwards before one backward under DDP
+    ids=["medusa", "eagle-unroll2", "eagle3-unroll2", "medusa2"],  # several head forwards before one backward
 )
 def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
     """`accelerate launch --multi_gpu --num_processes 2` on the CPU (gloo) against 1 process with the
@@ -350,10 +351,16 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
         for name in runs
     }
     assert len(losses["one"]) == 4 and losses["two"] == pytest.approx(losses["one"], rel=1e-4)
-    a = load_file(tmp_path / "one" / "heads" / "model.safetensors")
-    b = load_file(tmp_path / "two" / "heads" / "model.safetensors")
-    for name in a:
-        torch.testing.assert_close(a[name].float(), b[name].float(), atol=1e-2, rtol=1e-2)
+    for weights in ("model.safetensors", "adapter_model.safetensors"):  # the heads; Medusa-2's LoRA
+        if not (tmp_path / "one" / "heads" / weights).is_file():
+            continue
+        a = load_file(tmp_path / "one" / "heads" / weights)
+        b = load_file(tmp_path / "two" / "heads" / weights)
+        for name in a:
+            torch.testing.assert_close(a[name].float(), b[name].float(), atol=1e-2, rtol=1e-2)
+    if "medusa2" in heads[0]:
+        lora = load_file(tmp_path / "one" / "heads" / "adapter_model.safetensors")
+        assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items())  # it did train
 
 
 def test_report_png(tmp_path, capsys):

@@ -24,12 +24,24 @@ class TargetConfig:
 
 
 @dataclass
+class LoraConfig:
+    """medusa2 only: the LoRA on the target that trains together with the Medusa heads (train/medusa2.py)."""
+
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA scaling: alpha / r
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)  # module names in the layers; [] = every linear layer
+    layers: list[int] = field(default_factory=list)  # decoder layers that get the LoRA; [] = all of them
+    lr: float = 1e-4  # the adapter's learning rate (the heads keep optim.lr), same warmup and decay
+    kl_weight: float = 1.0  # loss = heads' losses + kl_weight * KL(original model's p || adapted model's p)
+
+
+@dataclass
 class HeadsConfig:
-    kind: str = (
-        "medusa"  # medusa | eagle | eagle3, or a comma list such as medusa,eagle (one run each, in output_dir/<kind>)
-    )
-    num_heads: int = 4  # medusa only
-    own_lm_head: bool = False  # medusa only: a trainable lm_head copy per head
+    kind: str = "medusa"  # medusa | medusa2 | eagle | eagle3, or a comma list: medusa,eagle (runs in output_dir/<kind>)
+    num_heads: int = 4  # medusa, medusa2
+    own_lm_head: bool = False  # medusa, medusa2: a trainable lm_head copy per head
+    lora: LoraConfig = field(default_factory=LoraConfig)  # medusa2 only
     feature_noise: float = 0.2  # eagle only: uniform noise U(-a/2, a/2) on input features while training
     ce_weight: float = 0.1  # eagle only: loss = SmoothL1(feature) + ce_weight * CE(target distribution)
     unroll: int = 1  # eagle, eagle3: head steps run on its own outputs in training (train/losses.py eagle_unroll)
@@ -103,6 +115,10 @@ def _build(cls, values: dict, prefix: str = ""):
 
 def _coerce(value, hint, key: str):
     origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"'{key}' must be a list, got {value!r}")
+        return [_coerce(v, typing.get_args(hint)[0], key) for v in value]
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"'{key}' must be a list, got {value!r}")

@@ -1,9 +1,10 @@
-"""Train Medusa, EAGLE or EAGLE-3 heads on a frozen target: the `accelerate launch` entry point.
+"""Train Medusa, Medusa-2, EAGLE or EAGLE-3 heads on a target: the `accelerate launch` entry point.
 
     accelerate launch train/heads.py --config configs/smoke.yaml [key.sub=value ...]
 
 One process on a CPU to many GPUs on many nodes: only Accelerate's own launch options change.
-The target runs under no_grad; only the heads train. Checkpoints (`accelerator.save_state`) every
+The target runs under no_grad and only the heads train, except in Medusa-2 (`heads.kind: medusa2`,
+train/medusa2.py), where a LoRA on the target trains with them. Checkpoints (`accelerator.save_state`) every
 `save_every` steps; started again with the same command, a run resumes from its last checkpoint and
 reaches the same weights as an uninterrupted run (same seed, single process).
 """
@@ -30,8 +31,10 @@ from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ens
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
 from headstart.train.features import FeatureCache, target_features
 from headstart.train.losses import eagle3_loss, eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
+from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
 
-KINDS = ("medusa", "eagle", "eagle3")
+KINDS = ("medusa", "medusa2", "eagle", "eagle3")
+MEDUSA_KINDS = ("medusa", "medusa2")
 
 EVAL_TOPK = 5
 RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
@@ -77,14 +80,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, accelerator, model, tokenizer, rows: list[Row]) -> None:
         self.cfg = cfg
         self.acc = accelerator
-        self.model = model.to(accelerator.device)
+        self.model = self.base = model.to(accelerator.device)  # Medusa-2: self.model becomes base + its LoRA
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
         self.options = {"draft_vocab": cfg.heads.draft_vocab}
-        if cfg.heads.kind == "medusa":
+        if cfg.heads.kind in MEDUSA_KINDS:
             self.options.update(num_heads=cfg.heads.num_heads, own_lm_head=cfg.heads.own_lm_head)
         heads = build_heads(cfg.heads.kind, model, **self.options).float()
         if cfg.heads.kind == "eagle3":
@@ -100,11 +103,17 @@ class Trainer:
         self.started_from = None  # the trained heads this run starts from (config.json's "init_from")
         if cfg.heads.init_from:
             self.started_from = init_from_trained(heads, cfg.heads.init_from, model, tokenizer)
-        optimizer = torch.optim.AdamW(
-            heads.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
-        )
+        groups = [{"params": list(heads.parameters())}]
+        trained: nn.Module = heads
+        if cfg.heads.kind == "medusa2":  # the target's LoRA trains beside the heads, at its own learning rate
+            self.model = attach_lora(model, cfg.heads.lora)
+            trained = AdaptedTarget(self.model, heads)
+            groups.append({"params": [p for p in self.model.parameters() if p.requires_grad], "lr": cfg.heads.lora.lr})
+        optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                      weight_decay=cfg.optim.weight_decay)  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-        self.heads, self.optimizer = accelerator.prepare(heads, optimizer)
+        # `self.module`: what trains, as Accelerate wrapped it (DDP ...); its forward is what a step runs first
+        self.module, self.optimizer = accelerator.prepare(trained, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)
         self.readout = heads.readout(model.get_output_embeddings())
         self.target_readout = DraftReadout(model.get_output_embeddings(), heads.draft_vocab)  # p over the draft vocab
@@ -113,6 +122,12 @@ class Trainer:
         self.rank_accuracy: list[list[float]] = []
         self._batches = make_batches(self.train_rows, cfg.data.batch_tokens, cfg.seed)
         self.batches_per_epoch = len(self._batches)  # the grouping is fixed, only its order changes per epoch
+
+    @property
+    def heads(self) -> nn.Module:
+        """The heads being trained, unwrapped."""
+        module = self.acc.unwrap_model(self.module)
+        return module.heads if isinstance(module, AdaptedTarget) else module
 
     # ---- data ------------------------------------------------------------------------------------
 
@@ -148,21 +163,28 @@ class Trainer:
 
     def loss(self, batch: dict[str, torch.Tensor], step: int = 0) -> torch.Tensor:
         """The training loss of one micro-batch at optimizer step `step` (0-based)."""
-        hidden = self.target_features(batch)
         cfg = self.cfg.heads
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        if cfg.kind == "medusa2":  # the adapted target's features, with gradient into its LoRA
+            return medusa2_loss(self.module, self.heads, self.readout_f32, self.lm_head_weight, ids,
+                                batch["attention_mask"], mask, cfg.num_heads, cfg.lora.kl_weight,
+                                self.readout.to_draft)  # fmt: skip
+        hidden = self.target_features(batch)
         if cfg.kind == "medusa":
-            ids, mask, k = batch["input_ids"], batch["loss_mask"], cfg.num_heads
-            return medusa_loss(self.heads, hidden, self.readout_f32, ids, mask, k, self.readout.to_draft)
+            return medusa_loss(self.module, hidden, self.readout_f32, ids, mask, cfg.num_heads, self.readout.to_draft)
         unroll = cfg.unroll if step >= cfg.unroll_from_step else 1
         if cfg.kind == "eagle3":
-            logits = self.acc.unwrap_model(self.heads).logits
-            return eagle3_loss(self.heads, hidden, self.embed_f32, logits, self.target_readout, batch["input_ids"],
-                               batch["loss_mask"], unroll, self.readout.to_draft)  # fmt: skip
+            return eagle3_loss(self.module, hidden, self.embed_f32, self.heads.logits, self.target_readout, ids, mask,
+                               unroll, self.readout.to_draft)  # fmt: skip
         loss, _ = eagle_loss(
-            self.heads, hidden, self.embed_f32, self.readout_f32, batch["input_ids"], batch["loss_mask"],
+            self.module, hidden, self.embed_f32, self.readout_f32, ids, mask,
             noise=cfg.feature_noise, ce_weight=cfg.ce_weight, unroll=unroll,
         )  # fmt: skip
         return loss
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
 
     def readout_f32(self, x: torch.Tensor) -> torch.Tensor:
         """The target's lm_head over the draft vocabulary, in float32: (..., H) -> (..., N)."""
@@ -175,9 +197,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Per-head top-1/top-5, conditional acceptance and simulated acceptance length on held-out rows."""
-        heads = self.acc.unwrap_model(self.heads)
-        heads.eval()
+        """Per-head top-1/top-5, conditional acceptance and simulated acceptance length on held-out rows;
+        Medusa-2 also the adapted target's drift from the original (`drift/kl`: mean KL per token)."""
+        module, heads = self.acc.unwrap_model(self.module), self.heads
+        module.eval()
+        drift = [0.0, 0]  # Medusa-2: sum of per-token KL, tokens
         K = self.cfg.heads.num_heads
         top1: list[list[torch.Tensor]] = [[] for _ in range(K)]
         top5: list[list[torch.Tensor]] = [[] for _ in range(K)]
@@ -185,8 +209,15 @@ class Trainer:
         for start in range(0, len(self.eval_rows), 8):
             batch = collate(self.eval_rows[start : start + 8], self.pad_id)
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
-            hidden = self.target_features(batch)
             ids, mask = batch["input_ids"], batch["loss_mask"]
+            if self.cfg.heads.kind == "medusa2":  # the adapted target's features; its drift from the original
+                hidden, original = module(ids, batch["attention_mask"])
+                n = int(mask[:, 1:].sum())
+                if n:
+                    kl = drift_kl(hidden, original, self.lm_head_weight, mask).item()
+                    drift = [drift[0] + kl * n, drift[1] + n]
+            else:
+                hidden = self.target_features(batch)
             T = ids.shape[1]
             n = T - K - 1  # positions t that have labels t+2 .. t+K+1
             if n <= 0:
@@ -200,11 +231,14 @@ class Trainer:
                 top1[k - 1].append(hits[..., 0][valid])
                 top5[k - 1].append(hits[..., :EVAL_TOPK].any(-1)[valid])
                 ranks[k - 1].append(hits[valid])
-        heads.train()
+        module.train()
         if not top1[0]:
             return {}
         self.rank_accuracy = [torch.cat(x).float().mean(0).tolist() for x in ranks]  # [k][i]
-        return head_metrics([torch.cat(x) for x in top1], [torch.cat(x) for x in top5])
+        metrics = head_metrics([torch.cat(x) for x in top1], [torch.cat(x) for x in top5])
+        if drift[1]:
+            metrics["drift/kl"] = drift[0] / drift[1]
+        return metrics
 
     def head_logits_for_eval(self, heads, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
         """Logits at each position t for the token k+1 places ahead, k = 1..K.
@@ -214,7 +248,7 @@ class Trainer:
         path of true tokens), so the chain metrics simulate drafting with every earlier guess right.
         """
         K = self.cfg.heads.num_heads
-        if self.cfg.heads.kind == "medusa":
+        if self.cfg.heads.kind in MEDUSA_KINDS:
             feats = heads.features(hidden)
             return [heads.head_logits(k, feats[k - 1], self.readout_f32) for k in range(1, K + 1)]
         if self.cfg.heads.kind == "eagle3":  # the fused layers in, the head's own readout out
@@ -279,17 +313,17 @@ class Trainer:
         if start == 0 and cfg.heads.init_from and self.eval_rows:  # where the trained heads start, on this data
             self.log_metrics(0, self.evaluate())
         for step in range(start, cfg.optim.max_steps):
-            self.heads.train()
+            self.module.train()
             total = 0.0
             for micro in range(accum):
                 batch = self.micro_batch((step * accum + micro) * world + rank)
                 tokens += int(batch["attention_mask"].sum())
-                sync = acc.no_sync(self.heads) if micro < accum - 1 else contextlib.nullcontext()
+                sync = acc.no_sync(self.module) if micro < accum - 1 else contextlib.nullcontext()
                 with sync, acc.autocast():
                     loss = self.loss(batch, step) / accum
                 acc.backward(loss)
                 total += loss.item()
-            acc.clip_grad_norm_(self.heads.parameters(), cfg.optim.grad_clip)
+            acc.clip_grad_norm_(self.module.parameters(), cfg.optim.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -322,8 +356,10 @@ class Trainer:
             }
             if self.started_from is not None:
                 extra["init_from"] = self.started_from
-            fp = target_fingerprint(self.model, self.tokenizer, name=cfg.target.model)
-            save_heads(out / "heads", acc.unwrap_model(self.heads), cfg.heads.kind, self.options, fp, extra)
+            fp = target_fingerprint(self.base, self.tokenizer, name=cfg.target.model)
+            if cfg.heads.kind == "medusa2":  # the heads' target is base + this adapter, saved beside them
+                fp["adapter"] = save_adapter(self.model, out / "heads", cfg.target.model)
+            save_heads(out / "heads", self.heads, cfg.heads.kind, self.options, fp, extra)
         return metrics
 
 
@@ -369,8 +405,13 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
         raise ConfigError(f"heads.kind must be one of {', '.join(KINDS)} or a comma list; got '{cfg.heads.kind}'")
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
+    if "medusa2" in kinds and cfg.data.features:
+        raise ConfigError("data.features: a medusa2 run cannot use a feature cache (the target's features change as "
+                          "its LoRA trains); remove data.features")  # fmt: skip
     if cfg.target.adapter and cfg.target.model == "tiny":
         raise ConfigError("target.adapter: the built-in `tiny` target takes no adapter (save a model, pass its path)")
+    if "medusa2" in kinds and cfg.target.adapter:
+        raise ConfigError("target.adapter: a medusa2 run trains its own LoRA on the base model; remove target.adapter")
     if len(kinds) == 1:
         return {kinds[0]: run_one(cfg, last=True)}
     results = {}

@@ -3,7 +3,7 @@
 A spec is a registered name, optionally `+lookup`, optionally `:VALUE` for the drafter's one
 positional option:
 
-    none  lookup  medusa  eagle  eagle3  model:PATH  layerskip:N  medusa:16  eagle+lookup  eagle+lookup:12
+    none  lookup  medusa  medusa2  eagle  eagle3  model:PATH  layerskip:N  medusa:16  eagle+lookup  eagle+lookup:12
 
 `NAME+lookup` grafts prompt-lookup branches onto NAME's tree (`graft.LookupGraft`); its options are
 NAME's, the lookup's n-gram options and `graft_budget`. Option values come, in order of precedence,
@@ -67,13 +67,32 @@ def _lookup(options: LookupOptions, ctx: Context) -> Drafter:
     return LookupDrafter(options)
 
 
+def heads_dir(kind: str, heads: str | None, model_name: str | None):
+    """The heads a trained drafter of `kind` loads: `heads`, else those shipped for `model_name` (or None)."""
+    from headstart.heads.checkpoint import shipped_heads
+
+    if heads is None and model_name is not None:
+        return shipped_heads(model_name, kind)
+    return heads
+
+
+def heads_adapter(spec: str | DrafterSpec, model_name: str | None, heads: str | None = None) -> str | None:
+    """The LoRA adapter the spec's heads were trained with (Medusa-2 heads hold it beside them), or None:
+    a target for those heads is loaded as base + that adapter (`Engine.load`, bench)."""
+    from headstart.runtime.adapters import is_adapter_dir
+
+    spec = parse_spec(spec) if isinstance(spec, str) else spec
+    if "heads" not in option_names(spec):
+        return None
+    directory = heads_dir(spec.base, heads, model_name)
+    return str(directory) if directory is not None and is_adapter_dir(directory) else None
+
+
 def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
     """(module, config) of the heads `options.heads`, else of those shipped for `ctx.model_name`."""
-    from headstart.heads.checkpoint import load_heads, shipped_heads
+    from headstart.heads.checkpoint import load_heads
 
-    heads = options.heads
-    if heads is None and ctx.model_name is not None:
-        heads = shipped_heads(ctx.model_name, kind)
+    heads = heads_dir(kind, options.heads, ctx.model_name)
     if heads is None or ctx.model is None:
         shipped = f": none are shipped for {ctx.model_name}" if ctx.model_name else ""
         raise ValueError(f"the {kind} drafter needs trained heads (--heads DIR){shipped}")
@@ -83,13 +102,15 @@ def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
     return module, config
 
 
-def _medusa(options: MedusaOptions, ctx: Context) -> Drafter:
+def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Drafter:
     from headstart.runtime.drafters.medusa import MedusaDrafter
     from headstart.runtime.tree import choose_tree_shape
 
-    module, config = _trained("medusa", options, ctx)
+    module, config = _trained(kind, options, ctx)
     shape = choose_tree_shape(config["rank_accuracy"], options.budget)
-    return MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, options.draft_vocab)
+    drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, options.draft_vocab)
+    drafter.name = kind
+    return drafter
 
 
 def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:
@@ -128,6 +149,12 @@ REGISTRY: dict[str, Entry] = {
     "none": Entry(NoOptions, _none, "plain decoding: one target forward per token", graftable=False),
     "lookup": Entry(LookupOptions, _lookup, "prompt lookup: copy what followed the last n-gram", graftable=False),
     "medusa": Entry(MedusaOptions, _medusa, "trained Medusa heads, a static tree", positional="budget"),
+    "medusa2": Entry(
+        MedusaOptions,
+        lambda options, ctx: _medusa(options, ctx, "medusa2"),
+        "Medusa-2 heads: trained with a LoRA on the target, which then runs as base + that adapter",
+        positional="budget",
+    ),
     "eagle": Entry(
         EagleOptions,
         _eagle,

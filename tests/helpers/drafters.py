@@ -16,8 +16,10 @@ from helpers.exactness import random_heads, sampling_model
 from helpers.models import WORDS, tiny_tokenizer
 
 ACCURACY = {"medusa": [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]], "eagle": [[0.5, 0.3], [0.4, 0.3], [0.5]]}
-ACCURACY["eagle3"] = ACCURACY["eagle"]
-HEAD_OPTIONS = {"medusa": {"num_heads": 3}, "eagle": {}, "eagle3": {}}
+ACCURACY["eagle3"], ACCURACY["medusa2"] = ACCURACY["eagle"], ACCURACY["medusa"]
+# medusa2: Medusa heads whose target is this model as it stands (as if it were base + their adapter, merged;
+# tests/test_medusa2.py loads a real base + adapter)
+HEAD_OPTIONS = {"medusa": {"num_heads": 3}, "medusa2": {"num_heads": 3}, "eagle": {}, "eagle3": {}}
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6], [3, 1, 4, 1, 5]]
 
 
@@ -29,7 +31,7 @@ def drafter_setup(root: Path):
     layerskip_model(model, [0]).save_pretrained(root / "draft")
     tokenizer.save_pretrained(root / "draft")
     for kind in HEAD_OPTIONS:
-        heads = random_heads(kind, model, 0.3 if kind == "medusa" else 0.1, **HEAD_OPTIONS[kind])
+        heads = random_heads(kind, model, 0.3 if kind.startswith("medusa") else 0.1, **HEAD_OPTIONS[kind])
         fingerprint = target_fingerprint(model, tokenizer)
         extra = {"rank_accuracy": ACCURACY[kind], "dtype": "float32"}
         save_heads(root / kind, heads, kind, HEAD_OPTIONS[kind], fingerprint, extra)

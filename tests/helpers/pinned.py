@@ -15,22 +15,24 @@ import torch
 
 from headstart.heads.checkpoint import build_heads
 from headstart.heads.vocab import DraftReadout
+from headstart.train.config import LoraConfig
 from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
+from headstart.train.medusa2 import AdaptedTarget, attach_lora, medusa2_loss
 from helpers.models import tiny_llama
 
 PINNED_FILE = Path(__file__).resolve().parents[1] / "pinned_losses.json"
-KINDS = ("medusa", "eagle", "eagle-unroll3", "eagle3-unroll3")
+KINDS = ("medusa", "medusa2", "eagle", "eagle-unroll3", "eagle3-unroll3")
 
 
 def fixed_batch_losses(kind: str) -> list[float]:
-    """The five losses of `kind` (medusa, eagle, eagle-unrollN, eagle3-unrollN) on the fixed batch."""
+    """The five losses of `kind` (medusa, medusa2, eagle, eagle-unrollN, eagle3-unrollN) on the fixed batch."""
     model = tiny_llama(vocab_size=64, init_std=0.2)
     torch.manual_seed(0)
     head_kind, _, unroll = kind.partition("-unroll")
     heads = build_heads(head_kind, model)
     if head_kind == "eagle3":
         heads.init_lm_head(model.lm_head)
-    if head_kind == "medusa":
+    if head_kind in ("medusa", "medusa2"):
         for p in heads.parameters():  # zero-initialised blocks would make every head equal at step 0
             p.data.normal_(0, 0.02)
     ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -39,10 +41,18 @@ def fixed_batch_losses(kind: str) -> list[float]:
     with torch.no_grad():
         states = model(input_ids=ids, output_hidden_states=True).hidden_states
     hidden = states[-1]
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    params = list(heads.parameters())
+    if head_kind == "medusa2":  # a LoRA on both layers' attention and MLP output trains with the heads
+        lora = LoraConfig(r=2, alpha=4.0, target_modules=["q_proj", "v_proj", "down_proj"], lr=1e-2, kl_weight=1.0)
+        joint = AdaptedTarget(attach_lora(model, lora), heads)
+        params += [p for p in joint.target.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
     losses = []
     for _ in range(5):
-        if head_kind == "medusa":
+        if head_kind == "medusa2":
+            loss = medusa2_loss(joint, heads, model.lm_head, model.lm_head.weight, ids, torch.ones_like(ids), mask,
+                                heads.num_heads, lora.kl_weight)  # fmt: skip
+        elif head_kind == "medusa":
             loss = medusa_loss(heads, hidden, model.lm_head, ids, mask, heads.num_heads)
         elif head_kind == "eagle3":  # the fused layers and the final feature; p over the full vocabulary
             fused = torch.cat([states[k] for k in (*heads.feature_layers, -1)], dim=-1)

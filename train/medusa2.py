@@ -1,0 +1,127 @@
+"""Medusa-2: Medusa heads trained together with a LoRA on the target, with self-distillation.
+
+The target gets a peft LoRA (`heads.lora`: rank, modules, layers). Both train under one loss:
+
+    loss = sum_k CE(head k, token t+k+1) + kl_weight * KL(p || p')
+
+where p is the ORIGINAL target's next-token distribution (the adapter disabled, no gradient) and
+p' the ADAPTED target's: the heads pull the backbone's features towards what they can predict, the
+KL term keeps the model's own answers where they were. The adapted target's features change as the
+LoRA trains, so no feature cache can serve this run: every step runs the target twice (adapted
+with gradient, original without).
+
+The heads directory of a Medusa-2 run holds peft's `adapter_config.json` + `adapter_model.safetensors`
+beside the heads, and its fingerprint names that adapter: loading the heads loads base + adapter.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headstart.runtime.target import features
+from headstart.train.config import ConfigError, LoraConfig
+from headstart.train.losses import medusa_loss
+
+
+def attach_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """`model` as a peft model with a fresh LoRA (B = 0: it starts as the original); only the LoRA trains.
+    No `target_modules`: every linear layer inside the decoder layers (peft's "all-linear"), on any family."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    if cfg.r < 1:
+        raise ConfigError(f"heads.lora needs r >= 1, got {cfg.r}")
+    n_layers = model.config.num_hidden_layers
+    bad = [i for i in cfg.layers if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(f"heads.lora.layers {bad} out of range: the target has layers 0..{n_layers - 1}")
+    config = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules) or "all-linear",
+        layers_to_transform=list(cfg.layers) or None,
+    )  # fmt: skip
+    try:
+        with warnings.catch_warnings():  # transformers 5 deprecates a name peft still reads: noise for users
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            adapted = get_peft_model(model, config)
+    except ValueError as e:  # modules the model does not have
+        raise ConfigError(f"heads.lora: {str(e).splitlines()[0][:200]}") from e
+    for p in adapted.parameters():  # the LoRA in float32 whatever the target's dtype
+        if p.requires_grad:
+            p.data = p.data.float()
+    return adapted
+
+
+class AdaptedTarget(nn.Module):
+    """What a Medusa-2 run trains: the LoRA-adapted target and the heads, one module so that Accelerate
+    prepares both at once (one DDP wrapper, one optimizer, one checkpoint). Its forward runs the target
+    twice: (adapted features with gradient into the LoRA, original features without), (B, T, H) each."""
+
+    def __init__(self, target: nn.Module, heads: nn.Module) -> None:
+        super().__init__()
+        self.target = target  # a peft model
+        self.heads = heads
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        adapted = self._features(input_ids, attention_mask)
+        with torch.no_grad(), self.target.disable_adapter():
+            original = self._features(input_ids, attention_mask)
+        return adapted, original
+
+    def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                          logits_to_keep=1)  # fmt: skip
+        return features(out.hidden_states, (-1,)).float()  # (B, T, H)
+
+
+def drift_kl(adapted: torch.Tensor, original: torch.Tensor, lm_head: torch.Tensor, loss_mask: torch.Tensor):
+    """Medusa-2's self-distillation term from the two targets' features (B, T, H): mean KL(p || p') per
+    position whose next token is a response token (`loss_mask[:, 1:]`), logits in float32 through the
+    target's lm_head weight (V, H)."""
+    valid = loss_mask[:, 1:]  # position t predicts token t + 1
+    weight = lm_head.float()
+    return self_distillation_kl(F.linear(adapted[:, :-1][valid], weight), F.linear(original[:, :-1][valid], weight))
+
+
+def medusa2_loss(
+    module: nn.Module,  # an AdaptedTarget, maybe DDP-wrapped: its forward is what DDP must see
+    heads: nn.Module,  # its heads, unwrapped
+    readout,  # the target's lm_head over the draft vocabulary, float32 (as for medusa_loss)
+    lm_head: torch.Tensor,  # (V, H) the target's full lm_head weight, for the KL
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_heads: int,
+    kl_weight: float,
+    to_draft=None,
+) -> torch.Tensor:
+    """sum_k CE(head k on the ADAPTED target's features) + kl_weight * KL(original p || adapted p')."""
+    adapted, original = module(input_ids, attention_mask)
+    heads_loss = medusa_loss(heads, adapted, readout, input_ids, loss_mask, num_heads, to_draft)
+    if not loss_mask[:, 1:].any():
+        return heads_loss + adapted.sum() * 0
+    return heads_loss + kl_weight * drift_kl(adapted, original, lm_head, loss_mask)
+
+
+def self_distillation_kl(adapted_logits: torch.Tensor, original_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(p || p'): p = softmax(original_logits), the original target's next-token
+    distribution, p' = softmax(adapted_logits), the adapted one's; (N, V) each. 0 when they agree."""
+    log_p = original_logits.float().log_softmax(-1)
+    log_q = adapted_logits.float().log_softmax(-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+
+
+def save_adapter(target: nn.Module, directory: str | Path, base_name: str) -> str:
+    """Write the LoRA (peft's adapter_config.json + adapter_model.safetensors) into `directory`; its hash."""
+    from headstart.runtime.adapters import adapter_sha
+
+    directory = Path(directory)
+    for config in target.peft_config.values():
+        config.base_model_name_or_path = base_name  # the `--model` name, not the cache path it loaded from
+    target.save_pretrained(str(directory), save_embedding_layers=False)
+    (directory / "README.md").unlink(missing_ok=True)  # peft's empty model card template
+    return adapter_sha(directory)
