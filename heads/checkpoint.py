@@ -4,7 +4,9 @@ config.json holds the head kind and sizes, the training config and metrics (free
 the target's fingerprint: architecture, vocab size, hidden size, layer count, the LoRA adapter
 applied on top (a hash, `runtime/adapters.py`), and hashes of the tokenizer vocabulary and of the
 lm_head (taken at bfloat16 precision, so a float32 and a bfloat16 load of one model agree).
-Loading onto another target fails with a message naming both.
+Loading onto another target fails with a message naming both. Medusa-2 heads (`medusa2`) also hold
+the LoRA adapter they were trained with (peft's adapter_config.json + adapter_model.safetensors): their
+target is base + that adapter, and loading them through a drafter loads it (`runtime/drafters/registry.py`).
 """
 
 from __future__ import annotations

@@ -138,12 +138,15 @@ def test_training_reduces_loss_and_saves_heads(tmp_path, tiny_model_dir, kind):
     assert config["kind"] == kind and config["steps"] == 12 and config["metrics"] == metrics
 
 
-def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkeypatch):
-    whole = make_cfg(tmp_path / "a", tiny_model_dir, "eagle")  # eagle: feature noise draws from the RNG
+@pytest.mark.parametrize("kind", ["eagle", "medusa2"])  # eagle: feature noise draws from the RNG; medusa2: its LoRA
+def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkeypatch, kind):
+    lora = {"heads.lora.r": 4, "heads.lora.lr": 0.01} if kind == "medusa2" else {}
+    whole = make_cfg(tmp_path / "a", tiny_model_dir, kind, **lora)
     train_heads.run(whole)
-    expected = load_file(tmp_path / "a" / "out" / "heads" / "model.safetensors")
+    files = ("model.safetensors", "adapter_model.safetensors")[: 2 if kind == "medusa2" else 1]
+    expected = {f: load_file(tmp_path / "a" / "out" / "heads" / f) for f in files}
 
-    cfg = make_cfg(tmp_path / "b", tiny_model_dir, "eagle")
+    cfg = make_cfg(tmp_path / "b", tiny_model_dir, kind, **lora)
     original = train_heads.Trainer.loss
 
     def die_in_step_5(self, batch, step=0):
@@ -159,9 +162,10 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
     train_heads.run(cfg)  # the same command again: resumes at step 3, step 4's log line replaced
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # steps 1-3 ran once: the second run resumed, it did not start over
-    resumed = load_file(tmp_path / "b" / "out" / "heads" / "model.safetensors")
-    for name in expected:
-        assert torch.equal(expected[name], resumed[name]), name
+    for f in files:
+        resumed = load_file(tmp_path / "b" / "out" / "heads" / f)
+        for name in expected[f]:
+            assert torch.equal(expected[f][name], resumed[name]), name
 
 
 def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_model_dir):
