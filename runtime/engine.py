@@ -12,6 +12,7 @@ One request at a time: the target's cache belongs to the call that is streaming.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ class Engine:
         """
         if adapter is None:
             adapter = heads_adapter(drafter, model, options.get("heads"))
+            if adapter is not None:  # the target changes: say so (its answers are base + adapter's, not base's)
+                print(f"headstart: the {drafter} heads carry the LoRA adapter they were trained with: the target is "
+                      f"{model} + {adapter}", file=sys.stderr)  # fmt: skip
         hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
         engine = cls(hf_model, tokenizer, model_name=model, profile=profile, adapter=adapter)
         engine.drafter = engine.make_drafter(drafter, **options)
