@@ -94,6 +94,7 @@ def test_bench_runs_medusa2_on_base_plus_adapter_and_drift_measures_it(medusa2_r
     assert cli(drift) == 0  # the held-out prompts of the heads' own training run
     result = json.loads(next(tmp_path.glob("drift-*.json")).read_text())
     assert result["summary"]["prompts"] == 3 and result["summary"]["kl_per_token"] > 0
+    assert cli(["drift", str(tmp_path / "no-such-adapter")]) == 2  # one line, no traceback
 
 
 def test_drift_of_an_adapter_that_changes_nothing_is_zero(tiny_model_dir, tmp_path):

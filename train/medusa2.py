@@ -41,8 +41,8 @@ def attach_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     if bad:
         raise ConfigError(f"heads.lora.layers {bad} out of range: the target has layers 0..{n_layers - 1}")
     config = PeftLoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules) or "all-linear",
-        layers_to_transform=list(cfg.layers) or None,
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules) or "all-linear", layers_to_transform=list(cfg.layers) or None,
     )  # fmt: skip
     try:
         with warnings.catch_warnings():  # transformers 5 deprecates a name peft still reads: noise for users
