@@ -9,9 +9,11 @@ base + A are refused on the base alone or on base + B (`heads/checkpoint.py`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,14 @@ WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 class AdapterError(ValueError):
     """An adapter directory that cannot be applied to the target: the message says why, in one line."""
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """peft building a model: transformers 5 warns of a deprecated name peft still reads, noise for users."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
 
 
 def is_adapter_dir(directory: str | Path) -> bool:
@@ -58,8 +68,7 @@ def apply_adapter(model: Any, directory: str | Path, merge: bool = True) -> Any:
 
     sha = adapter_sha(directory)  # validates the directory first
     try:
-        with warnings.catch_warnings():  # transformers 5 deprecates a name peft still reads: noise for users
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        with quiet_peft():
             adapted = PeftModel.from_pretrained(model, str(directory), is_trainable=False)
     except Exception as e:  # weights of other shapes, modules the model lacks: one line naming both
         name = getattr(model.config, "name_or_path", "") or type(model).__name__

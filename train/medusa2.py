@@ -16,13 +16,13 @@ beside the heads, and its fingerprint names that adapter: loading the heads load
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headstart.runtime.adapters import quiet_peft
 from headstart.runtime.target import features
 from headstart.train.config import ConfigError, LoraConfig
 from headstart.train.losses import medusa_loss
@@ -45,8 +45,7 @@ def attach_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         target_modules=list(cfg.target_modules) or "all-linear", layers_to_transform=list(cfg.layers) or None,
     )  # fmt: skip
     try:
-        with warnings.catch_warnings():  # transformers 5 deprecates a name peft still reads: noise for users
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        with quiet_peft():
             adapted = get_peft_model(model, config)
     except ValueError as e:  # modules the model does not have
         raise ConfigError(f"heads.lora: {str(e).splitlines()[0][:200]}") from e
