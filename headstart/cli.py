@@ -42,6 +42,11 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
 
 
+def _add_prepack_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prepack", action="store_true",
+                   help="keep the stock linear kernels (default: prepacked on a CPU, ~0.3 s at load; docs/tuning.md)")  # fmt: skip
+
+
 def _add_adapter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a peft LoRA adapter directory applied on top of --model, merged into its weights")  # fmt: skip
@@ -128,7 +133,7 @@ def _load_engine(args: argparse.Namespace):
 
     options = _drafter_options(args, args.drafter)  # checked before the model loads
     return Engine.load(args.model, args.dtype, args.drafter, args.device, args.profile, args.adapter,
-                       not args.no_merge, **options)  # fmt: skip
+                       not args.no_merge, not args.no_prepack, **options)  # fmt: skip
 
 
 def _sampling(temperature: float, top_k: int = 0, top_p: float = 1.0):
@@ -147,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt or a prompt file")
     _add_model_args(g, "float32")
+    _add_prepack_arg(g)
     _add_adapter_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -163,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
     _add_model_args(b, "bfloat16")
+    _add_prepack_arg(b)
     _add_adapter_args(b)
     b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
     b.add_argument("--methods", default="plain,hf,lookup",
@@ -224,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
     _add_model_args(sv, "bfloat16")
+    _add_prepack_arg(sv)
     _add_adapter_args(sv)
     _add_drafter_args(sv)
     sv.add_argument("--served-model-name", default=None,
@@ -268,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
     _add_model_args(d, "float32")
+    _add_prepack_arg(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--drafter", default=DEFAULT_DRAFTER, metavar="SPEC",
                    help=f"the speculative side: {', '.join(names())} (trained ones use the heads shipped for "
@@ -315,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from headstart.runtime.demo import run_demo
 
             parse_spec(args.drafter)
-            return run_demo(args.model, args.dtype, args.device, args.max_new_tokens, args.drafter, args.profile)
+            return run_demo(args.model, args.dtype, args.device, args.max_new_tokens, args.drafter, args.profile,
+                            not args.no_prepack)  # fmt: skip
     except (UserError, ValueError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)
         return 2
@@ -525,7 +535,8 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads,
                         "medusa2": args.medusa2_heads}  # fmt: skip
     bench.method_options(methods, options)  # every method and option checked before the model loads
-    engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge)
+    engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge,
+                         not args.no_prepack)  # fmt: skip
     records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,
                               categories, args.seed, **options)  # fmt: skip
     table = bench.summarize(records)

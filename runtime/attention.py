@@ -20,6 +20,33 @@ from headstart.runtime.tree import additive_mask
 MaskArg = torch.Tensor | dict[str, torch.Tensor]
 
 
+class MaskBuffer:
+    """Full-attention tree masks in one preallocated float buffer, so a round allocates nothing that grows with
+    the sequence: the committed prefix is visible to every new row (zeros, written once), and only the block of
+    the root and the tree's nodes changes each round, after the previous round's block is cleared."""
+
+    def __init__(self, dtype: torch.dtype, device) -> None:
+        self.dtype, self.device = dtype, device
+        self.buf: torch.Tensor | None = None  # (rows capacity, columns capacity)
+        self.dirty: tuple[int, int, int] | None = None  # (rows, first column, end column) written last round
+
+    def mask(self, block: torch.Tensor, past: int) -> torch.Tensor:
+        """(1, 1, q, past + q) float mask: every row sees the `past` cached keys; `block` (q, q) bool says which of
+        the new keys each new row sees. A view of the buffer, valid until the next call."""
+        q = block.shape[0]
+        rows, cols = q, past + q
+        if self.buf is None or rows > self.buf.shape[0] or cols > self.buf.shape[1]:
+            shape = (max(rows, 2 * (self.buf.shape[0] if self.buf is not None else 32)),
+                     max(cols, 2 * (self.buf.shape[1] if self.buf is not None else 512)))  # fmt: skip
+            self.buf, self.dirty = torch.zeros(shape, dtype=self.dtype, device=self.device), None
+        if self.dirty is not None:
+            r, c0, c1 = self.dirty
+            self.buf[:r, c0:c1] = 0
+        self.buf[:rows, past:cols] = additive_mask(block, self.dtype, self.device)[0, 0]
+        self.dirty = (rows, past, cols)
+        return self.buf[:rows, :cols][None, None]
+
+
 class AttentionLayout:
     def __init__(self, config) -> None:
         window = getattr(config, "sliding_window", None)

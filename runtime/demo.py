@@ -58,13 +58,22 @@ def _decode(engine: Engine, prompt_ids: list[int], drafter: Drafter, max_new_tok
 
 
 def run_demo(
-    model: str, dtype: str, device: str, max_new_tokens: int, drafter: str = DEFAULT_DRAFTER, profile: str | None = None
+    model: str,
+    dtype: str,
+    device: str,
+    max_new_tokens: int,
+    drafter: str = DEFAULT_DRAFTER,
+    profile: str | None = None,
+    prepack: bool = True,
 ) -> int:
     """Plain vs `drafter` on the built-in prompts; trained drafters use the heads shipped for `model`."""
     from headstart.runtime.engine import Engine
 
     print(f"headstart demo: loading {model} ({dtype}, {device}) ...", flush=True)
-    engine = Engine.load(model, dtype=dtype, device=device, profile=profile)
+    engine = Engine.load(model, dtype=dtype, device=device, profile=profile, prepack=prepack)
+    packed = engine.target.packed
+    if packed.kind != "none":
+        print(f"headstart demo: linear kernels prepacked ({packed.kind}) in {packed.seconds:.2f} s", flush=True)
     spec = engine.make_drafter(drafter)
     engine.generate(engine.encode("Hi"), max_new_tokens=4)  # warm-up
     on, off = _marks(sys.stdout.isatty())

@@ -54,11 +54,13 @@ class Engine:
         model_name: str | None = None,
         profile: str | None = None,
         adapter: str | None = None,
+        prepack: bool | None = None,
     ) -> None:
         """`model_name`: what the model was loaded by (its shipped heads and profile go by it); `profile`: the
         drafter profile of `make_drafter` (None: the model's own, `profiles.default_profile`); `adapter`: the
-        LoRA adapter directory applied to the model, if any."""
-        self.target = Target(model)
+        LoRA adapter directory applied to the model, if any; `prepack`: the target's prepacked kernels
+        (`runtime/kernels.py`; None: on)."""
+        self.target = Target(model, fast=prepack)
         self.tokenizer = tokenizer
         self.drafter = drafter or Drafter()
         self.model_name, self.profile, self.adapter = model_name, profile, adapter
@@ -78,6 +80,7 @@ class Engine:
         profile: str | None = None,
         adapter: str | None = None,
         merge_adapter: bool = True,
+        prepack: bool | None = None,
         **options: Any,
     ) -> Engine:
         """Load `model` and build its default `drafter` (a spec such as `eagle+lookup`, `medusa:16`).
@@ -93,7 +96,7 @@ class Engine:
                 print(f"headstart: the {drafter} heads carry the LoRA adapter they were trained with: the target is "
                       f"{model} + {adapter}", file=sys.stderr)  # fmt: skip
         hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
-        engine = cls(hf_model, tokenizer, model_name=model, profile=profile, adapter=adapter)
+        engine = cls(hf_model, tokenizer, model_name=model, profile=profile, adapter=adapter, prepack=prepack)
         engine.drafter = engine.make_drafter(drafter, **options)
         return engine
 

@@ -17,6 +17,9 @@ from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 
 
+PHASES = ("propose", "mask", "forward", "accept", "commit", "observe")  # a round, in order (`stream`)
+
+
 @dataclass
 class GenerationStats:
     new_tokens: int = 0
@@ -26,6 +29,8 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0  # target forward + accept_path + cache commit
     elapsed_s: float = 0.0  # prefill to last token
+    prefill_s: float = 0.0
+    phase_s: dict[str, float] = field(default_factory=dict)  # seconds per phase of the rounds (PHASES)
 
     @property
     def acceptance_length(self) -> float:
@@ -86,6 +91,10 @@ def stream(
 
     prompt_hidden = target.prefill(prompt_ids[:-1], drafter.feature_layers)
     drafter.start(prompt_ids, prompt_hidden, sampling, seed)
+    stats.prefill_s = time.perf_counter() - t_start
+    phase = stats.phase_s
+    for name in PHASES:
+        phase.setdefault(name, 0.0)
     context = list(prompt_ids)  # the last token is the root: not yet in the KV cache
     while stats.new_tokens < max_new_tokens:
         t0 = time.perf_counter()
@@ -94,11 +103,19 @@ def stream(
             tree = DraftTree()  # no room left for a tree at the end of the context
         t1 = time.perf_counter()
         verified = target.verify(context[-1], tree, drafter.feature_layers)
+        t_verified = time.perf_counter()
         accepted = accept_path(tree, verified.logits, sampling, rng)
-        target.commit(len(tree) + 1, accepted.path)
+        t_accepted = time.perf_counter()
+        target.commit(accepted.path)
         t2 = time.perf_counter()
         drafter.observe(tree, accepted.path, verified.hidden, accepted.next_token)
         t3 = time.perf_counter()
+        phase["propose"] += t1 - t0
+        phase["mask"] += verified.mask_s
+        phase["forward"] += t_verified - t1 - verified.mask_s
+        phase["accept"] += t_accepted - t_verified
+        phase["commit"] += t2 - t_accepted
+        phase["observe"] += t3 - t2
 
         new = [tree.tokens[i] for i in accepted.path] + [accepted.next_token]
         new = new[: max_new_tokens - stats.new_tokens]

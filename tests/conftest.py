@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from headstart.runtime.target import Target
 from helpers.drafters import drafter_setup
 from helpers.models import WORDS, tiny_llama, tiny_tokenizer
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--no-prepack", action="store_true",
+                     help="run every Target on the stock kernels (make test runs the exactness tests both ways)")  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--no-prepack"):
+        Target.prepack_default = False
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ class Drafter:
     """Base class: proposes nothing (plain decoding)."""
 
     name = "none"
-    feature_layers: tuple[int, ...] = (-1,)  # the target hidden states `start`/`observe` receive, concatenated
+    feature_layers: tuple[int, ...] = ()  # the target hidden states `start`/`observe` receive, concatenated; () none
 
     def start(
         self,
@@ -27,7 +27,8 @@ class Drafter:
         sampling: SamplingParams | None = None,
         seed: int | None = None,
     ) -> None:
-        """A new sequence begins; `prompt_hidden` (len-1, F) are the target's features of all but the root.
+        """A new sequence begins; `prompt_hidden` (len-1, F) are the target's features of all but the root (None
+        when `feature_layers` names none).
 
         `sampling` and `seed` are the decode's: drafters that sample their guesses use them.
         """
@@ -37,7 +38,7 @@ class Drafter:
         return DraftTree()
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
-        """The target accepted `path` of `tree` (its features `hidden`, (n+1, F)) and chose `next_token`."""
+        """The target accepted `path` of `tree` (its features `hidden`, (n+1, F), or None) and chose `next_token`."""
 
 
 class SamplingDrafter(Drafter):

@@ -44,7 +44,7 @@ class AcceptanceGate:
 class GatedDrafter(Drafter):
     def __init__(self, inner: Drafter, speculate: Callable[[], bool], gate: AcceptanceGate | None = None) -> None:
         self.inner, self.speculate, self.gate = inner, speculate, gate
-        self.name = inner.name
+        self.name, self.feature_layers = inner.name, inner.feature_layers
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)

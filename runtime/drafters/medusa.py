@@ -23,6 +23,7 @@ from headstart.runtime.tree import DraftTree, ShapeSampler, choose_tree_shape
 
 
 class MedusaDrafter(SamplingDrafter):
+    feature_layers = (-1,)  # the target's last hidden state, after the final norm
     name = "medusa"
 
     def __init__(

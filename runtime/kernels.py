@@ -1,0 +1,93 @@
+"""Prepacked linear layers: a verified tree's rows cost little more than one row.
+
+At batch size 1 a forward is bound by reading the weights, so scoring a few more rows should be nearly free.
+The default CPU kernels make it dear: a product with more than one row repacks the weight into the layout
+the GEMM reads, an extra pass over every weight at every call. Here each `nn.Linear` of the target is
+swapped, once at load, for a `PackedLinear` that keeps the weight packed (the prepacking inductor's freezing
+pass does, without compiling anything):
+
+- bfloat16: one oneDNN-packed copy serves every row count (AMX / AVX-512 BF16 kernels);
+- float32: MKL's packed GEMM, which is packed for one row count: a copy per bucket of `ROW_BUCKETS`, and
+  `Target.verify` pads a tree to the next bucket; one row keeps the stock kernel (a GEMV reads the plain
+  layout best), and so do row counts past the last bucket.
+
+Measured on the 2-core CPU of docs/tuning.md (SmolLM2-135M, 256 cached tokens, ms per forward): float32
+1 / 4 / 8 / 16 rows 44.8 / 68.4 / 82.3 / 96.3 stock, 45.0 / 59.0 / 63.7 / 74.9 packed; bfloat16 50.9 / 59.6 /
+61.6 / 64.4 stock, 40.8 / 47.0 / 51.7 / 57.1 packed. The original weight stays the module's `weight` (tied
+embeddings and drafters that read `lm_head.weight` see no change); results equal the stock kernel's to float
+rounding. CPU only (CUDA kernels need no packing), inference only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROW_BUCKETS = (4, 8, 16, 32)  # float32: the row counts MKL's packed weights are made for
+ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layout for
+
+
+@dataclass(frozen=True)
+class Prepacked:
+    seconds: float = 0.0  # the time packing took at load
+    row_buckets: tuple[int, ...] = ()  # row counts a forward should be padded to (float32); () = any count is fast
+    kind: str = "none"  # "onednn", "mkl" or "none"
+
+
+def _packing(model: nn.Module) -> str:
+    """Which packing suits `model`: "onednn" (CPU bf16), "mkl" (CPU fp32), or "none" (another device or dtype,
+    a torch without the kernels, a live LoRA wrapping the layers)."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        return "none"
+    if param.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        return "onednn"
+    if param.dtype == torch.float32 and torch.backends.mkl.is_available():
+        return "mkl"
+    return "none"
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` whose products read a prepacked copy of the weight (see the module docstring)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str) -> PackedLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: ties and readers unchanged
+        new.kind = kind
+        w = linear.weight.detach()
+        if kind == "onednn":
+            new.packs = {0: torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)}
+        else:
+            new.packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in ROW_BUCKETS}
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # training: the stock kernel, which autograd knows
+            return F.linear(x, self.weight, self.bias)
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packs[0], self.bias, "none", [], "")
+        rows = x.numel() // x.shape[-1]
+        if rows in self.packs:
+            return torch.ops.mkl._mkl_linear(x, self.packs[rows], self.weight, self.bias, rows)
+        return F.linear(x, self.weight, self.bias)
+
+
+def prepack_linears(model: nn.Module) -> Prepacked:
+    """Swap every `nn.Linear` of `model` for a `PackedLinear` in place, where the model suits a packing."""
+    kind = _packing(model)
+    if kind == "none":
+        return Prepacked()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, PackedLinear.from_linear(child, kind))
+    return Prepacked(time.perf_counter() - t0, ROW_BUCKETS if kind == "mkl" else (), kind)

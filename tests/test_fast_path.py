@@ -1,0 +1,101 @@
+"""The target's fast path: the preallocated KV cache, the tree-mask buffer and the prepacked kernels (fp32)."""
+
+import pytest
+import torch
+
+from headstart.runtime.attention import MaskBuffer
+from headstart.runtime.drafters.lookup import LookupDrafter
+from headstart.runtime.generate import stream
+from headstart.runtime.kernels import ROW_BUCKETS, PackedLinear, prepack_linears
+from headstart.runtime.kvcache import TargetCache
+from headstart.runtime.target import Target
+from headstart.runtime.tree import DraftTree, additive_mask, tree_visibility
+from helpers.models import tiny_llama
+
+PROMPT = [5, 9, 3, 17, 22, 8, 41, 3, 17]
+
+
+def _filled_cache(rows: int) -> TargetCache:
+    cache = TargetCache()
+    for layer in range(2):
+        k = torch.arange(rows, dtype=torch.float32).view(1, 1, rows, 1).expand(1, 2, rows, 4) + 1000 * layer
+        cache.update(k.clone(), -k.clone(), layer)
+    return cache
+
+
+def test_commit_moves_only_the_accepted_rows():
+    cache = _filled_cache(20)  # rows 0..11 committed, 12 = the root, 13..19 a tree of 7 nodes
+    buffers = [(layer._k.data_ptr(), layer._k.clone()) for layer in cache.layers]
+    cache.keep_rows(13, torch.tensor([14, 17, 19]))  # nodes 1, 4, 6 accepted
+    assert cache.get_seq_length() == 16
+    for layer, (ptr, before) in zip(cache.layers, buffers, strict=True):
+        assert layer._k.data_ptr() == ptr  # no new cache: moved in place
+        torch.testing.assert_close(layer.keys[0, 0, :, 0] % 1000, torch.tensor([*range(13), 14.0, 17, 19]))
+        torch.testing.assert_close(layer._k[..., :13, :], before[..., :13, :])  # the prefix untouched
+        torch.testing.assert_close(layer._k[..., 16:, :], before[..., 16:, :])  # past the new end: not written
+        torch.testing.assert_close(layer.values, -layer.keys)
+
+
+def test_cache_grows_by_doubling_and_crops_by_length():
+    cache, moves, last = TargetCache(), 0, None
+    for step in range(1, 2001):
+        cache.update(torch.full((1, 1, 1, 2), float(step)), torch.zeros(1, 1, 1, 2), 0)
+        ptr = cache.layers[0]._k.data_ptr()
+        moves, last = moves + (ptr != last), ptr
+    assert cache.get_seq_length() == 2000 and moves <= 5  # 1 + log2(2000 / 256) reallocations, not 2000
+    torch.testing.assert_close(cache.layers[0].keys[0, 0, :, 0], torch.arange(1.0, 2001))
+    cache.crop(-5)
+    assert cache.get_seq_length() == 1995 and cache.layers[0].keys.shape[-2] == 1995
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
+
+
+def test_mask_buffer_equals_a_fresh_mask_every_round():
+    """Rounds with growing, shrinking and re-shaped trees: the buffer's view is always the full mask."""
+    trees = [
+        DraftTree([7, 44, 12, 19, 30, 2], [-1, -1, 0, 0, 2, 1]),
+        DraftTree([1, 2], [-1, 0]),
+        DraftTree([3, 4, 5, 6, 7, 8, 9, 10, 11], [-1, 0, 1, -1, 3, 4, 0, 6, 7]),
+        DraftTree([5], [-1]),
+    ]
+    buffer, past = MaskBuffer(torch.float32, "cpu"), 3
+    for round_ in range(12):
+        tree = trees[round_ % len(trees)]
+        got = buffer.mask(tree.ancestor_mask(), past)
+        allowed, _ = tree_visibility(tree, past)
+        torch.testing.assert_close(got, additive_mask(allowed, torch.float32), rtol=0, atol=0)
+        past += 1 + round_ % 3 + (500 if round_ == 6 else 0)  # a jump past the buffer's first width
+
+
+def test_packed_linears_equal_the_stock_ones():
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=64, init_std=0.2)
+    stock = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    packed = prepack_linears(model)
+    if packed.kind == "none":
+        pytest.skip("neither MKL nor oneDNN is built into this torch")
+    assert packed.seconds > 0 and packed.row_buckets == ROW_BUCKETS
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert packed.keys() == stock.keys()
+    assert all(packed[n].weight is w for n, w in stock.items())  # the same Parameters: ties kept
+    assert model.lm_head.weight is model.model.embed_tokens.weight or not model.config.tie_word_embeddings
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 5, 8):  # the stock kernel, MKL's packed ones (4, 8), the stock one again
+            x = torch.randn(rows, model.config.hidden_size)
+            torch.testing.assert_close(model.lm_head(x), x @ model.lm_head.weight.T, atol=1e-5, rtol=0)
+
+
+def test_fast_and_stock_targets_decode_alike():
+    """Greedy tokens and every round's logits of the fast path equal the stock path's (a tree drafter's rounds)."""
+    torch.manual_seed(0)
+    logits = {}
+    for fast in (False, True):
+        model = tiny_llama(vocab_size=64, init_std=0.2)
+        target = Target(model, fast=fast)
+        assert (target.packed.kind != "none") == fast
+        out = [t for c in stream(target, PROMPT, LookupDrafter(), max_new_tokens=40) for t in c.tokens]
+        verified = target.verify(out[-1], DraftTree([1, 2, 3, 4], [-1, 0, -1, 2]))  # 5 rows, padded to 8 if fast
+        assert verified.logits.shape == (5, 64) and target.past_len == len(PROMPT) + 40 - 1 + (8 if fast else 5)
+        logits[fast] = (out, verified.logits)
+    assert logits[True][0] == logits[False][0]
+    torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-4, rtol=0)
