@@ -44,7 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 
 def _add_prepack_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prepack", action="store_true",
-                   help="keep the stock linear kernels (default: prepacked on a CPU, ~0.3 s at load; docs/tuning.md)")  # fmt: skip
+                   help="keep the stock linear kernels (default: prepacked on a CPU; docs/tuning.md)")  # fmt: skip
 
 
 def _add_adapter_args(p: argparse.ArgumentParser) -> None:

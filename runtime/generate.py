@@ -16,7 +16,6 @@ from headstart.runtime.sampling import Sampler, SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 
-
 PHASES = ("propose", "mask", "forward", "accept", "commit", "observe")  # a round, in order (`stream`)
 
 

@@ -11,7 +11,7 @@ from helpers.models import WORDS, tiny_llama, tiny_tokenizer
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--no-prepack", action="store_true",
-                     help="run every Target on the stock kernels (make test runs the exactness tests both ways)")  # fmt: skip
+                     help="every Target on the stock kernels (make test runs exactness tests both ways)")  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
