@@ -56,6 +56,7 @@ class DraftReadout:
         else:
             self.weight = weight[: len(self.ids)] if own_rows else weight[self.ids]  # (N, H)
         self.norm = norm
+        self.project = None  # a module computing x @ weight.T faster (runtime's prepacked kernels), if set
         self._lookup = None  # target id -> draft index (-1: not kept), built once on first use
 
     @property
@@ -65,7 +66,8 @@ class DraftReadout:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             x = self.norm(x)
-        return F.linear(x.to(self.weight.dtype), self.weight)  # (..., H) -> (..., N)
+        x = x.to(self.weight.dtype)
+        return self.project(x) if self.project is not None else F.linear(x, self.weight)  # (..., H) -> (..., N)
 
     def to_target(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.ids is None else self.ids[index]

@@ -188,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--seed", type=_seed, default=0)
     b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
+    b.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each phase of a round (draft, mask, layers, lm_head, accept, commit ...): a table",
+    )
+    b.add_argument(
+        "--breakdown-doc",
+        default=None,
+        metavar="FILE",
+        help="--breakdown: also write the table into FILE (docs/tuning.md), a section per dtype",
+    )
     b.add_argument("--report-to", default="none", choices=("none", "wandb"),
                    help="also log the figures to W&B (offline without WANDB_API_KEY; `wandb sync` later)")  # fmt: skip
 
@@ -528,6 +539,8 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
         _sampling(t)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise UserError("--limit-per-category must be >= 1")
+    if args.breakdown_doc and not args.breakdown:
+        raise UserError("--breakdown-doc needs --breakdown")
     prompts = _bench_prompts(args.prompts)
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -538,16 +551,24 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge,
                          not args.no_prepack)  # fmt: skip
     records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,
-                              categories, args.seed, **options)  # fmt: skip
+                              categories, args.seed, args.breakdown, **options)  # fmt: skip
     table = bench.summarize(records)
+    packed = engine.target.packed
     machine = (
         f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"{args.dtype}, {args.device}, model {args.model}"
+        f"{args.dtype}, {args.device}, model {args.model}, kernels {packed.kind} (packed in {packed.seconds:.2f} s)"
     )
     meta = {"command": "headstart " + " ".join(argv), "machine": machine}
     json_path, md_path, png_path = bench.save(records, table, Path(args.out), meta)
     print(bench.markdown(table))
     print(f"records: {json_path}\ntable: {md_path}\nchart: {png_path}", file=sys.stderr)
+    if args.breakdown:
+        text = (f"`{meta['command']}`\n\n{machine}; ms per round (prefill left out)\n\n"
+                + bench.breakdown_markdown(records))  # fmt: skip
+        print(text)
+        md_path.with_name(md_path.stem + "-breakdown.md").write_text(text)
+        if args.breakdown_doc:
+            bench.replace_section(Path(args.breakdown_doc), f"breakdown {args.dtype}", text)
     if args.report_to == "wandb":
         print(bench.report_wandb(table, meta, Path(args.out), run_name=json_path.stem), file=sys.stderr)
     return 0

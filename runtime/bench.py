@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from headstart.runtime.engine import Engine
 from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.prompts import load_prompts
 from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.text import TextDecoder
 
 HF_METHODS = ("hf", "hf-lookup")  # transformers' own generate, for reference
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -52,18 +54,51 @@ class Record:
     token_ids: list[int]
     accepted_per_depth: list[int] | None = None  # [d-1]: rounds whose accepted path reached depth d
     adapter: str | None = None  # the LoRA adapter of the target this method ran on, where not plain's
+    phase_ms: dict[str, float] | None = None  # --breakdown: ms per round of each phase (`phase_breakdown`)
+
+
+@dataclass
+class Run:
+    """One generation of one method."""
+
+    tokens: list[int]
+    seconds: float
+    target_passes: int | None = None  # None: the method does not report it (hf)
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    accepted_per_depth: list[int] | None = None
+    stats: GenerationStats | None = None  # our loop's own statistics
+    chunks: list[list[int]] | None = None  # the tokens of each round
 
 
 def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
     """The decode loop itself (no detokenising: that is not what the methods differ in)."""
     stats = GenerationStats()
     t0 = time.perf_counter()
-    rounds = stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats)
-    tokens = [t for chunk in rounds for t in chunk.tokens]
+    chunks = [c.tokens for c in stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats)]
     seconds = time.perf_counter() - t0
     rounds = max(stats.target_passes, 1)
-    ms = 1e3 * stats.draft_s / rounds, 1e3 * stats.verify_s / rounds
-    return tokens, seconds, stats.target_passes, *ms, stats.accepted_per_depth
+    return Run([t for chunk in chunks for t in chunk], seconds, stats.target_passes, 1e3 * stats.draft_s / rounds,
+               1e3 * stats.verify_s / rounds, stats.accepted_per_depth, stats, chunks)  # fmt: skip
+
+
+def phase_breakdown(stats: GenerationStats, seconds: float, detokenise_s: float) -> dict[str, float]:
+    """ms per round of each phase of `stats` (`generate.PHASES`), the detokenising a server would add, and the
+    rest of the loop's wall time (`python`: the loop's own bookkeeping), the prefill left out."""
+    rounds = max(stats.target_passes, 1)
+    phases = {name: 1e3 * s / rounds for name, s in stats.phase_s.items()}
+    rest = seconds - stats.prefill_s - sum(stats.phase_s.values())
+    return {**phases, "python": 1e3 * max(rest, 0.0) / rounds, "detokenise": 1e3 * detokenise_s / rounds}
+
+
+def _detokenise_s(engine: Engine, chunks: list[list[int]]) -> float:
+    """Seconds to turn the rounds' tokens into streamed text, as `Engine.stream_text` does round by round."""
+    decoder = TextDecoder(engine.tokenizer)
+    t0 = time.perf_counter()
+    for chunk in chunks:
+        decoder.push(chunk)
+    decoder.finish()
+    return time.perf_counter() - t0
 
 
 def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
@@ -80,8 +115,7 @@ def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingPara
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
-    seconds = time.perf_counter() - t0
-    return out[0, len(ids) :].tolist(), seconds, None, None, None, None
+    return Run(out[0, len(ids) :].tolist(), time.perf_counter() - t0)
 
 
 def method_options(methods: list[str], options: dict) -> dict[str, dict]:
@@ -100,8 +134,9 @@ def method_options(methods: list[str], options: dict) -> dict[str, dict]:
     return taken
 
 
-def run_method(engine: Engine, method: str, drafters: dict[str, Drafter], ids: list[int], sampling, max_new, seed):
-    """(token_ids, seconds, target_passes, draft_ms, verify_ms, accepted_per_depth) of one generation."""
+def run_method(
+    engine: Engine, method: str, drafters: dict[str, Drafter], ids: list[int], sampling, max_new, seed
+) -> Run:
     if method in HF_METHODS:
         return _run_hf(engine, method == "hf-lookup", ids, sampling, max_new, seed)
     return _run_ours(engine, drafters[method], ids, sampling, max_new, seed)
@@ -116,9 +151,11 @@ def run_bench(
     limit_per_category: int | None = None,
     categories: set[str] | None = None,
     seed: int = 0,
+    breakdown: bool = False,
     **draft_options: str | int | dict | None,
 ) -> list[Record]:
-    """Every method on every prompt and temperature.
+    """Every method on every prompt and temperature; `breakdown`: each record also holds its round's cost per
+    phase (`phase_breakdown`; the lm_head timed by hooks, which cost every method alike).
 
     `draft_options` go to every drafter method that takes them (`method_options`): `heads` maps medusa/eagle to
     checkpoint directories (missing ones: the heads shipped for the engine's model), draft_layers, draft_model,
@@ -133,22 +170,32 @@ def run_bench(
         run_method(engines.get(method, engine), method, drafters, encoded[0], SamplingParams(), 16, seed)
     records: list[Record] = []
     jobs = [(t, i) for t in temperatures for i in range(len(prompts))]
-    for temperature, i in tqdm(jobs, desc="bench", unit="prompt", dynamic_ncols=True):
-        sampling = SamplingParams(temperature)
-        plain_tokens = None
-        for method in methods:
-            runs_on = engines.get(method, engine)
-            tokens, seconds, passes, draft_ms, verify_ms, per_depth = run_method(
-                runs_on, method, drafters, encoded[i], sampling, max_new_tokens, seed
-            )
-            if method == "plain":
-                plain_tokens = tokens
-            same = tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None
-            adapter = None if runs_on is engine else runs_on.adapter
-            prompt = prompts[i]
-            row = (len(tokens), seconds, passes, draft_ms, verify_ms, same if adapter is None else None, tokens,
-                   per_depth, adapter)  # fmt: skip
-            records.append(Record(method, prompt.id, prompt.category, temperature, *row))
+    with ExitStack() as timing:
+        if breakdown:
+            for e in {id(e): e for e in [engine, *engines.values()]}.values():
+                timing.enter_context(e.target.timing_lm_head())
+        for temperature, i in tqdm(jobs, desc="bench", unit="prompt", dynamic_ncols=True):
+            records += _bench_prompt(engine, engines, methods, drafters, prompts[i], encoded[i],
+                                     SamplingParams(temperature), max_new_tokens, seed, breakdown)  # fmt: skip
+    return records
+
+
+def _bench_prompt(engine, engines, methods, drafters, prompt, ids, sampling, max_new_tokens, seed, breakdown):
+    """One prompt through every method: their records."""
+    records, plain_tokens = [], None
+    for method in methods:
+        runs_on = engines.get(method, engine)
+        run = run_method(runs_on, method, drafters, ids, sampling, max_new_tokens, seed)
+        if method == "plain":
+            plain_tokens = run.tokens
+        same = run.tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None
+        adapter = None if runs_on is engine else runs_on.adapter
+        phases = None
+        if breakdown and run.stats is not None:
+            phases = phase_breakdown(run.stats, run.seconds, _detokenise_s(runs_on, run.chunks))
+        records.append(Record(method, prompt.id, prompt.category, sampling.temperature, len(run.tokens), run.seconds,
+                              run.target_passes, run.draft_ms, run.verify_ms, same if adapter is None else None,
+                              run.tokens, run.accepted_per_depth, adapter, phases))  # fmt: skip
     return records
 
 
@@ -266,6 +313,47 @@ def markdown(table: dict) -> str:
                     f"| {fmt(f['draft_ms'], '.2f')} | {fmt(f['verify_ms'], '.1f')} | {fmt(f['same_as_plain'], '')} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+BREAKDOWN = ("propose", "mask", "layers", "lm_head", "accept", "commit", "observe", "python", "detokenise")
+
+
+def breakdown_markdown(records: list[Record]) -> str:
+    """The round-cost table of a `--breakdown` run: per method and temperature, ms per round of each phase
+    (weighted by rounds), the round's total, that total in plain steps (plain's round at the same temperature)
+    and the acceptance length; speedup = acceptance length / plain steps, up to the prefill."""
+    groups: dict[tuple[float, str], list[Record]] = defaultdict(list)
+    for r in records:
+        if r.phase_ms is not None:
+            groups[(r.temperature, r.method)].append(r)
+    rows, round_ms = [], {}
+    for (temperature, method), rs in groups.items():
+        passes = sum(r.target_passes or 0 for r in rs)
+        ms = {k: sum(r.phase_ms.get(k, 0.0) * (r.target_passes or 0) for r in rs) / max(passes, 1) for k in BREAKDOWN}
+        round_ms[(temperature, method)] = sum(ms.values())
+        rows.append((temperature, method, ms, sum(r.new_tokens for r in rs) / max(passes, 1)))
+    head = " | ".join(BREAKDOWN)
+    lines = [f"| T | method | {head} | round ms | plain steps | acceptance length |",
+             "| ---: | --- |" + " ---: |" * (len(BREAKDOWN) + 3)]  # fmt: skip
+    for temperature, method, ms, tau in sorted(rows, key=lambda row: row[0]):
+        plain = round_ms.get((temperature, "plain"))
+        steps = f"{round_ms[(temperature, method)] / plain:.2f}" if plain else "–"
+        cells = " | ".join(f"{ms[k]:.2f}" for k in BREAKDOWN)
+        lines.append(f"| {temperature} | {method} | {cells} | {round_ms[(temperature, method)]:.1f} | {steps} "
+                     f"| {tau:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(path: Path, key: str, text: str) -> None:
+    """Write `text` into `path` between the lines `<!-- key -->` and `<!-- /key -->` (appended if absent)."""
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    doc = path.read_text() if path.exists() else ""
+    block = f"{start}\n{text.rstrip()}\n{end}"
+    if start in doc and end in doc:
+        doc = doc[: doc.index(start)] + block + doc[doc.index(end) + len(end) :]
+    else:
+        doc = doc.rstrip() + "\n\n" + block + "\n"
+    path.write_text(doc)
 
 
 def chart(table: dict, path: Path, title: str = "") -> Path:

@@ -16,7 +16,8 @@ from headstart.runtime.sampling import Sampler, SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 
-PHASES = ("propose", "mask", "forward", "accept", "commit", "observe")  # a round, in order (`stream`)
+# a round, in order (`stream`); layers + lm_head = the target forward (lm_head measured under `Target.timing_lm_head`)
+PHASES = ("propose", "mask", "layers", "lm_head", "accept", "commit", "observe")
 
 
 @dataclass
@@ -111,7 +112,8 @@ def stream(
         t3 = time.perf_counter()
         phase["propose"] += t1 - t0
         phase["mask"] += verified.mask_s
-        phase["forward"] += t_verified - t1 - verified.mask_s
+        phase["layers"] += t_verified - t1 - verified.mask_s - verified.lm_head_s
+        phase["lm_head"] += verified.lm_head_s
         phase["accept"] += t_accepted - t_verified
         phase["commit"] += t2 - t_accepted
         phase["observe"] += t3 - t2

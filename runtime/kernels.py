@@ -20,6 +20,7 @@ rounding. CPU only (CUDA kernels need no packing), inference only.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -41,8 +42,13 @@ class Prepacked:
 def _packing(model: nn.Module) -> str:
     """Which packing suits `model`: "onednn" (CPU bf16), "mkl" (CPU fp32), or "none" (another device or dtype,
     a torch without the kernels, a live LoRA wrapping the layers)."""
-    param = next(model.parameters())
-    if param.device.type != "cpu" or any(type(m).__module__.startswith("peft.") for m in model.modules()):
+    if any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        return "none"
+    return _packing_for(next(model.parameters()))
+
+
+def _packing_for(param: torch.Tensor) -> str:
+    if param.device.type != "cpu":
         return "none"
     if param.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         return "onednn"
@@ -68,6 +74,15 @@ class PackedLinear(nn.Linear):
             new.packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in ROW_BUCKETS}
         return new
 
+    def __deepcopy__(self, memo: dict) -> nn.Linear:
+        """A copy is a plain `nn.Linear` (packed tensors are opaque to copying; a copy may be trained or moved)."""
+        plain = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(plain)
+        plain.in_features, plain.out_features = self.in_features, self.out_features
+        plain.weight = copy.deepcopy(self.weight, memo)
+        plain.bias = copy.deepcopy(self.bias, memo)
+        return plain
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # training: the stock kernel, which autograd knows
             return F.linear(x, self.weight, self.bias)
@@ -77,6 +92,17 @@ class PackedLinear(nn.Linear):
         if rows in self.packs:
             return torch.ops.mkl._mkl_linear(x, self.packs[rows], self.weight, self.bias, rows)
         return F.linear(x, self.weight, self.bias)
+
+
+def packed_projection(weight: torch.Tensor) -> PackedLinear | None:
+    """x -> x @ weight.T with `weight` (N, H) prepacked (a drafter's readout); None where no packing suits it."""
+    kind = _packing_for(weight)
+    if kind == "none":
+        return None
+    linear = nn.Linear(0, 0, bias=False)
+    linear.in_features, linear.out_features = weight.shape[1], weight.shape[0]
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return PackedLinear.from_linear(linear, kind)
 
 
 def prepack_linears(model: nn.Module) -> Prepacked:

@@ -13,6 +13,8 @@ the masks and the loop are the same with it off.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ class Verified:
     logits: torch.Tensor  # (n+1, V) target logits at the root and at every node
     hidden: torch.Tensor | None  # (n+1, F) the drafter's features at the same positions (`features`); None: none asked
     mask_s: float = 0.0  # seconds spent building the tree mask (the round-cost breakdown reads it)
+    lm_head_s: float = 0.0  # of the forward, seconds in the lm_head (measured only under `Target.timing_lm_head`)
 
 
 def features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
@@ -56,6 +59,7 @@ class Target:
         self.packed = prepack_linears(model) if fast else Prepacked()
         self.startup_s = self.packed.seconds
         self._fed = 0  # rows the last `verify` fed: the root, the tree, any padding
+        self._lm_head_clock: list[float] | None = None  # [start, seconds] while `timing_lm_head` is on
         self.cache = TargetCache()  # full on every layer, sliding-window ones too (runtime/attention.py)
         self.mask_buffer = MaskBuffer(self.dtype, self.device)
 
@@ -106,6 +110,9 @@ class Target:
         else:  # plain decoding step: one query, the model masks it as its own forward would
             mask, positions = None, torch.tensor([[past]], device=self.device)
         mask_s = time.perf_counter() - t0
+        clock = self._lm_head_clock
+        if clock is not None:
+            clock[1] = 0.0
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -115,7 +122,32 @@ class Target:
             output_hidden_states=bool(layers),
         )
         hidden = features(out.hidden_states, layers)[0, : n + 1] if layers else None
-        return Verified(logits=out.logits[0, : n + 1], hidden=hidden, mask_s=mask_s)
+        lm_head_s = clock[1] if clock is not None else 0.0
+        return Verified(logits=out.logits[0, : n + 1], hidden=hidden, mask_s=mask_s, lm_head_s=lm_head_s)
+
+    @contextmanager
+    def timing_lm_head(self) -> Iterator[None]:
+        """Within this block each `verify` also reports the seconds its forward spent in the lm_head (forward
+        hooks; on CUDA they synchronise, so time what you compare under the same block)."""
+        head = self.model.get_output_embeddings()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        self._lm_head_clock = clock = [0.0, 0.0]
+
+        def start(module, args):
+            sync()
+            clock[0] = time.perf_counter()
+
+        def stop(module, args, output):
+            sync()
+            clock[1] += time.perf_counter() - clock[0]
+
+        hooks = [head.register_forward_pre_hook(start), head.register_forward_hook(stop)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self._lm_head_clock = None
 
     @torch.inference_mode()
     def commit(self, path: list[int]) -> None:

@@ -1,5 +1,7 @@
 """The target's fast path: the preallocated KV cache, the tree-mask buffer and the prepacked kernels (fp32)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def test_commit_moves_only_the_accepted_rows():
         assert layer._k.data_ptr() == ptr  # no new cache: moved in place
         torch.testing.assert_close(layer.keys[0, 0, :, 0] % 1000, torch.tensor([*range(13), 14.0, 17, 19]))
         torch.testing.assert_close(layer._k[..., :13, :], before[..., :13, :])  # the prefix untouched
-        torch.testing.assert_close(layer._k[..., 16:, :], before[..., 16:, :])  # past the new end: not written
+        torch.testing.assert_close(layer._k[..., 16:20, :], before[..., 16:20, :])  # past the new end: not written
         torch.testing.assert_close(layer.values, -layer.keys)
 
 
@@ -79,6 +81,9 @@ def test_packed_linears_equal_the_stock_ones():
     assert packed.keys() == stock.keys()
     assert all(packed[n].weight is w for n, w in stock.items())  # the same Parameters: ties kept
     assert model.lm_head.weight is model.model.embed_tokens.weight or not model.config.tie_word_embeddings
+    plain = copy.deepcopy(model)  # a copy is a plain model again
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight or not model.config.tie_word_embeddings
     with torch.inference_mode():
         for rows in (1, 3, 4, 5, 8):  # the stock kernel, MKL's packed ones (4, 8), the stock one again
             x = torch.randn(rows, model.config.hidden_size)
