@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm clean
+.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm clean
 
 install: $(VENV)/.installed
 
@@ -55,6 +55,10 @@ vllm-serve: install $(VLLM_VENV)/.installed
 # with the head equals its text without it, and its acceptance length is headstart's own (tests/engines/vllm_check.py)
 test-vllm: install $(VLLM_VENV)/.installed
 	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python $(VLLM_CHECK_ARGS)
+
+# headstart beside vLLM on the same EAGLE-3 head, batch 1, float32: the table of docs/benchmarks.md (tests/engines/vllm_bench.py)
+bench-vllm: install $(VLLM_VENV)/.installed
+	$(BIN)/python tests/engines/vllm_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md $(VLLM_BENCH_ARGS)
 
 # after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
 pinned: install

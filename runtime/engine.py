@@ -11,22 +11,28 @@ One request at a time: the target's cache belongs to the call that is streaming.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from headstart.runtime.calibrate import TreeChoice, choose_budget, cost_curve
 from headstart.runtime.drafters.base import Drafter
-from headstart.runtime.drafters.registry import heads_adapter, make_drafter
+from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
 from headstart.runtime.generate import GenerationStats, stream
-from headstart.runtime.models import DEFAULT_MODEL, load_model
+from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.text import TextDecoder
+
+CALIBRATED = ("medusa", "medusa2", "eagle", "eagle3")  # drafters whose tree budget `Engine.tree_choice` sizes
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.drafter = drafter or Drafter()
         self.model_name, self.profile, self.adapter = model_name, profile, adapter
+        self._tree_choices: dict[tuple[str, str], TreeChoice] = {}
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -106,9 +113,51 @@ class Engine:
         return getattr(self.target.model.config, "headstart_adapter", None)
 
     def make_drafter(self, spec: str, **options: Any) -> Drafter:
-        """A new drafter for this engine's model and profile (`registry.make_drafter`)."""
+        """A new drafter for this engine's model and profile (`registry.make_drafter`). Trained heads with
+        measured per-rank accuracies get the tree budget this device makes best (`tree_choice`) unless a budget
+        or a profile is given."""
+        choice = self.tree_choice(spec, **options)
+        if choice is not None:
+            sized = {"budget": choice.budget, "sampled_budget": choice.budget, "depth": choice.depth}
+            takes = option_names(spec)
+            options = {**options, **{k: v for k, v in sized.items() if k in takes and options.get(k) is None}}
         return make_drafter(spec, self.target.model, self.tokenizer, model_name=self.model_name,
                             profile=self.profile, **options)  # fmt: skip
+
+    def tree_choice(self, spec: str, **options: Any) -> TreeChoice | None:
+        """The calibrated tree of `spec` (`runtime/calibrate.py`): None when a profile or a budget was given,
+        when the drafter has no trained heads, or their config holds no per-rank accuracies."""
+        base = parse_spec(spec).base
+        if self.profile is not None or options.get("budget") is not None or base not in CALIBRATED:
+            return None
+        heads = heads_dir(base, options.get("heads"), self.model_name)
+        config_file = Path(heads) / "config.json" if heads is not None else None
+        if config_file is None or not config_file.is_file():
+            return None
+        accuracy = json.loads(config_file.read_text()).get("rank_accuracy")
+        if not accuracy:
+            return None
+        key = (base, str(heads))
+        if key not in self._tree_choices:
+            curve = cost_curve(self.target, cache_dir() / "costs")
+            self._tree_choices[key] = choose_budget(curve, accuracy, self._draft_ms_per_depth(spec, **options))
+        return self._tree_choices[key]
+
+    def _draft_ms_per_depth(self, spec: str, **options: Any) -> float:
+        """ms of drafting per tree depth, measured: a short greedy decode of a synthetic prompt with `spec`'s
+        drafter at its default tree (Medusa's heads guess every depth at once: 0)."""
+        base = parse_spec(spec).base
+        if base.startswith("medusa"):
+            return 0.0
+        drafter = make_drafter(base, self.target.model, self.tokenizer, model_name=self.model_name,
+                               profile="neutral", **{k: v for k, v in options.items() if k == "heads"})  # fmt: skip
+        vocab, gen = self.target.model.config.vocab_size, torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab, (64,), generator=gen).tolist()
+        stats = GenerationStats()
+        for _ in stream(self.target, prompt, drafter, max_new_tokens=32, stats=stats):
+            pass
+        rounds = max(stats.target_passes - stats.plain_passes, 1)
+        return 1e3 * (stats.phase_s["propose"] + stats.phase_s["observe"]) / rounds / drafter.depth
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of `prompt`, as one user turn under the model's chat template unless `chat` is False."""

@@ -62,12 +62,16 @@ class PackedLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str) -> PackedLinear:
+        return cls.from_weight(linear.weight, linear.bias, kind)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> PackedLinear:
+        """`weight` (out, in) and `bias` are kept as they are (the same Parameters: ties and readers unchanged)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: ties and readers unchanged
-        new.kind = kind
-        w = linear.weight.detach()
+        new.out_features, new.in_features = weight.shape
+        new.weight, new.bias, new.kind = weight, bias, kind
+        w = weight.detach()
         if kind == "onednn":
             new.packs = {0: torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)}
         else:
@@ -97,12 +101,7 @@ class PackedLinear(nn.Linear):
 def packed_projection(weight: torch.Tensor) -> PackedLinear | None:
     """x -> x @ weight.T with `weight` (N, H) prepacked (a drafter's readout); None where no packing suits it."""
     kind = _packing_for(weight)
-    if kind == "none":
-        return None
-    linear = nn.Linear(0, 0, bias=False)
-    linear.in_features, linear.out_features = weight.shape[1], weight.shape[0]
-    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    return PackedLinear.from_linear(linear, kind)
+    return None if kind == "none" else PackedLinear.from_weight(weight.detach(), None, kind)
 
 
 def prepack_linears(model: nn.Module) -> Prepacked:

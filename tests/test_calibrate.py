@@ -1,0 +1,63 @@
+"""Trees sized by measured cost: the choice on synthetic cost curves, interpolation, the cached curve."""
+
+import copy
+
+import pytest
+
+from headstart.runtime import calibrate
+from headstart.runtime.calibrate import choose_budget, cost_at, cost_curve
+from headstart.runtime.engine import Engine
+from headstart.runtime.target import Target
+from helpers.models import tiny_llama
+
+# an EAGLE head's measured per-depth, per-rank accuracies (the shape of the shipped head's)
+ACCURACY = [[0.62, 0.14, 0.05, 0.03], [0.55, 0.15, 0.05, 0.02], [0.5, 0.12, 0.04], [0.45, 0.1], [0.4]]
+FLAT = {1: 10.0, 64: 10.6}  # a GPU at batch 1: 64 rows cost what one does
+STEEP = {1: 40.0, 2: 55.0, 4: 65.0, 8: 78.0, 16: 96.0, 32: 130.0, 64: 200.0}  # a 2-core CPU in float32
+
+
+def test_a_flat_cost_curve_buys_a_larger_tree_than_a_steep_one():
+    flat = choose_budget(FLAT, ACCURACY, draft_ms_per_depth=0.5)
+    steep = choose_budget(STEEP, ACCURACY, draft_ms_per_depth=0.5)
+    assert flat.budget > steep.budget and flat.depth >= steep.depth
+    assert flat.expected_tokens > steep.expected_tokens
+    assert flat.expected_speedup > steep.expected_speedup > 1
+    # the steep curve's choice is the best of every budget by hand: tokens per ms of each
+    rate = {b: choose_budget(STEEP, ACCURACY, 0.5, max_budget=b) for b in range(1, 30)}
+    assert max(rate.values(), key=lambda c: c.expected_tokens / c.round_ms).budget == steep.budget
+
+
+def test_costly_drafting_buys_a_shallower_tree():
+    cheap = choose_budget(FLAT, ACCURACY, draft_ms_per_depth=0.1)
+    dear = choose_budget(FLAT, ACCURACY, draft_ms_per_depth=8.0)
+    assert dear.depth < cheap.depth
+
+
+def test_cost_between_and_past_the_measured_rows():
+    curve = {1: 10.0, 4: 16.0, 8: 20.0}
+    assert cost_at(curve, 1) == 10.0 and cost_at(curve, 2) == 12.0 and cost_at(curve, 6) == 18.0
+    assert cost_at(curve, 12) == 24.0  # the last slope, 1 ms a row
+
+
+def test_the_curve_is_measured_once_and_cached(tmp_path, monkeypatch):
+    target = Target(tiny_llama(vocab_size=64))
+    curve = cost_curve(target, tmp_path)
+    assert sorted(curve) == list(calibrate.ROWS) and all(ms > 0 for ms in curve.values())
+    assert target.past_len == 0
+    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
+    assert cost_curve(target, tmp_path) == curve
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_engine_sizes_trained_heads_unless_told(tiny_drafters, tmp_path, monkeypatch):
+    model, tokenizer, options = tiny_drafters
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    engine = Engine(copy.deepcopy(model), tokenizer)
+    heads = options["eagle"]["heads"]
+    choice = engine.tree_choice("eagle+lookup", heads=heads)
+    assert choice is not None and choice.budget >= 1
+    drafter = engine.make_drafter("eagle", heads=heads)
+    assert (drafter.budget, drafter.depth) == (choice.budget, choice.depth)
+    assert engine.make_drafter("eagle", heads=heads, budget=3).budget == 3  # a given budget wins
+    assert engine.tree_choice("lookup") is None
+    assert Engine(copy.deepcopy(model), tokenizer, profile="neutral").tree_choice("eagle", heads=heads) is None
