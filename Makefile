@@ -19,10 +19,14 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/headstart demo
 
+# the exactness tests run twice: with the fast path (prepacked kernels, padded trees; the default) and without it
+EXACTNESS_TESTS = tests/test_target.py tests/test_drafter_contract.py tests/test_architectures.py \
+	tests/test_smollm2.py tests/test_eagle.py tests/test_medusa.py tests/test_eagle3.py tests/test_adapters.py
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -q --no-prepack $(EXACTNESS_TESTS)
 
 bench: install
 	$(BIN)/headstart bench --categories summarization,rag --limit-per-category 10 --methods plain,hf,hf-lookup,lookup

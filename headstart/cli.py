@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="answer on this OpenAI-compatible server (vLLM, SGLang, headstart serve), not locally; "
                     "--model is the target it must serve (checked on a probe prompt)")  # fmt: skip
     ds.add_argument("--concurrency", type=_at_least_one, default=16, help="--engine: requests in flight")
+    ds.add_argument("--api-key", default=None, metavar="KEY",
+                    help="--engine: the server's key (default: $HEADSTART_API_KEY)")  # fmt: skip
     ds.add_argument("--retries", type=int, default=5, help="--engine: retries of a failed request, with backoff")
     ds.add_argument(
         "--no-model-check", action="store_true", help="--engine: skip the probe that the server serves --model"
@@ -248,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None,
                     help="the `model` clients pass (default: --model's last path part, never a path)")  # fmt: skip
     sv.add_argument("--max-body-mb", type=float, default=None, help="largest request body, larger gets 413 (default 4)")
+    sv.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $HEADSTART_API_KEY, else none)",
+    )
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
@@ -259,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lt = sub.add_parser("loadtest", help="latency and throughput of a running `headstart serve`")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
+    lt.add_argument("--api-key", default=None, metavar="KEY", help="the server's key (default: $HEADSTART_API_KEY)")
     lt.add_argument("--clients", default="1,4,16", help="comma list of concurrency levels")
     lt.add_argument("--requests-per-client", type=int, default=2)
     lt.add_argument("--max-tokens", type=int, default=64)
@@ -390,8 +399,12 @@ def served_name(model: str, given: str | None) -> str:
     return given or Path(model.rstrip("/")).name.removesuffix(".gguf")
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
+    import os
 
     import uvicorn
 
@@ -412,14 +425,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options["max_body_bytes"] = int(args.max_body_mb * (1 << 20))
     config = ServeConfig(served_name(args.model, args.served_model_name),
                          **{k: v for k, v in options.items() if v is not None})  # fmt: skip
+    api_key = args.api_key or os.environ.get("HEADSTART_API_KEY") or None
+    if api_key is None and args.host not in LOOPBACK:
+        print(f"headstart: warning: serving on {args.host} without an API key: anyone who reaches it can use it "
+              "(--api-key or HEADSTART_API_KEY)", file=sys.stderr)  # fmt: skip
     engine = _load_engine(args)
-    print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({dataclasses.asdict(config)})",
-          file=sys.stderr)  # fmt: skip
-    uvicorn.run(build_app(engine, config), host=args.host, port=args.port, log_level="info")
+    auth = "an API key required" if api_key else "no API key"
+    print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1, {auth} "
+          f"({dataclasses.asdict(config)})", file=sys.stderr)  # fmt: skip
+    uvicorn.run(build_app(engine, config, api_key), host=args.host, port=args.port, log_level="info")
     return 0
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     import httpx
@@ -433,18 +452,19 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     if min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
     prompts = [p.text for p in load_prompts(_bench_prompts(args.prompts))]
+    api_key = args.api_key or os.environ.get("HEADSTART_API_KEY") or None
     try:
         health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
     except (httpx.HTTPError, ValueError) as e:
         raise UserError(f"no headstart server at {args.url}: {e}") from e
     if args.soak is not None:
-        result = loadtest.soak(args.url, health["model"], prompts, args.soak, max(levels))
+        result = loadtest.soak(args.url, health["model"], prompts, args.soak, max(levels), api_key=api_key)
         print(json.dumps(result, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps({"server": health, "soak": result}, indent=2))
         return 0
-    rows = [loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens)
-            for c in levels]  # fmt: skip
+    rows = [loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens,
+                               api_key) for c in levels]  # fmt: skip
     print(loadtest.markdown(rows, health["drafter"]))
     if args.out:
         Path(args.out).write_text(json.dumps({"server": health, "levels": rows}, indent=2))
@@ -452,6 +472,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    import os
+
     from headstart.runtime.models import load_model
     from headstart.train.distill import derived_prompts, distill
 
@@ -472,7 +494,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
         stats = distill_with_engine(args.engine, model, tokenizer, prompts, args.out, args.max_new_tokens,
                                     args.temperature, args.concurrency, args.seed, args.retries,
-                                    check_model=not args.no_model_check)  # fmt: skip
+                                    check_model=not args.no_model_check,
+                                    api_key=args.api_key or os.environ.get("HEADSTART_API_KEY") or None)  # fmt: skip
     else:
         stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                         seed=args.seed)  # fmt: skip

@@ -15,7 +15,11 @@ Measured on the 2-core CPU of docs/tuning.md (SmolLM2-135M, 256 cached tokens, m
 1 / 4 / 8 / 16 rows 44.8 / 68.4 / 82.3 / 96.3 stock, 45.0 / 59.0 / 63.7 / 74.9 packed; bfloat16 50.9 / 59.6 /
 61.6 / 64.4 stock, 40.8 / 47.0 / 51.7 / 57.1 packed. The original weight stays the module's `weight` (tied
 embeddings and drafters that read `lm_head.weight` see no change); results equal the stock kernel's to float
-rounding. CPU only (CUDA kernels need no packing), inference only.
+rounding. Memory: a packed copy of every linear weight in bfloat16, one per row bucket in float32 (3x the
+weights; packing is skipped when the copies would take more than half the memory available). Packing takes
+0.2-0.3 s for SmolLM2-135M and is redone at each load (reading a cached copy would cost as much). CPU only
+(CUDA kernels need no packing; CUDA graphs, the GPU's tool against launch overhead, are not built yet),
+inference only.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROW_BUCKETS = (4, 8, 16, 32)  # float32: the row counts MKL's packed weights are made for
+ROW_BUCKETS = (4, 8, 16)  # float32: the row counts MKL's packed weights are made for (a copy each)
 ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layout for
 
 
@@ -104,10 +108,28 @@ def packed_projection(weight: torch.Tensor) -> PackedLinear | None:
     return None if kind == "none" else PackedLinear.from_weight(weight.detach(), None, kind)
 
 
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def prepack_linears(model: nn.Module) -> Prepacked:
-    """Swap every `nn.Linear` of `model` for a `PackedLinear` in place, where the model suits a packing."""
+    """Swap every `nn.Linear` of `model` for a `PackedLinear` in place, where the model suits a packing and its
+    packed copies (one in bfloat16, one per row bucket in float32) take at most half the memory available."""
     kind = _packing(model)
     if kind == "none":
+        return Prepacked()
+    copies = 1 if kind == "onednn" else len(ROW_BUCKETS)
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
+    available = _available_bytes()
+    if available is not None and copies * linear_bytes > available // 2:
         return Prepacked()
     t0 = time.perf_counter()
     with torch.no_grad():

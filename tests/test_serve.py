@@ -246,3 +246,56 @@ def test_acceptance_gate_backs_off_and_probes_again():
     for tokens in (3, 2, 2, 1):  # mean 2.0: keeps speculating
         gate.record(tokens)
         assert gate.speculate()
+
+
+def test_an_api_key_lets_in_only_its_users(tiny_model_dir, tmp_path, capsys):
+    """With --api-key every /v1/ route wants the key (the official openai client, streaming too); /health and
+    /metrics stay open; refusals are OpenAI 401 bodies counted in /metrics; the key is in neither the metrics
+    nor the server's log line; loadtest and engine distillation send it."""
+    import openai
+
+    key = "sk-test-7f3a9c"
+    live = LiveServer(tiny_engine(tiny_model_dir), api_key=key)
+    try:
+        ok = live.client(key).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "the cat"}], max_tokens=4
+        )
+        assert ok.choices[0].message.content is not None
+        stream = live.client(key).completions.create(model=NAME, prompt="the cat", max_tokens=4, stream=True)
+        assert sum(1 for _ in stream) >= 1
+        for wrong in ("sk-wrong", key + "x", key[:-1]):
+            with pytest.raises(openai.AuthenticationError) as refused:
+                live.client(wrong).completions.create(model=NAME, prompt="the cat", max_tokens=4)
+            assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            live.client(wrong).completions.create(model=NAME, prompt="the cat", max_tokens=4, stream=True)
+        bare = httpx.get(live.url + "/v1/models")  # no Authorization header at all
+        assert bare.status_code == 401 and bare.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(live.url + "/health").status_code == 200
+        metrics = httpx.get(live.url + "/metrics").text
+        assert key not in metrics and live.metric("headstart_requests_total", endpoint="/v1/completions",
+                                                  status="401") == 4  # fmt: skip
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(json.dumps({"id": "0", "turns": ["the cat sat"]}) + "\n")
+        argv = ["loadtest", "--url", live.url, "--clients", "1", "--requests-per-client", "1", "--max-tokens", "4",
+                "--prompts", str(prompts)]  # fmt: skip
+        assert main([*argv, "--api-key", key]) == 0
+        assert "| lookup | 1 | 1 | 0 |" in capsys.readouterr().out
+        from headstart.train.engine import EngineClient
+
+        client = EngineClient(live.url + "/v1", api_key=key, retries=0)  # the base-URL form OpenAI clients take
+        assert client.model == NAME
+    finally:
+        live.close()
+
+
+def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, capsys):
+    import headstart.cli as cli
+
+    monkeypatch.delenv("HEADSTART_API_KEY", raising=False)
+    monkeypatch.setattr(cli, "_load_engine", lambda args: (_ for _ in ()).throw(cli.UserError("stop here")))
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "without an API key" in err and err.count("\n") == 2
+    assert main(["serve", "--host", "0.0.0.0", "--api-key", "k"]) == 2
+    assert "without an API key" not in capsys.readouterr().err

@@ -37,9 +37,14 @@ class EngineError(ValueError):
 class EngineClient:
     """An OpenAI-compatible completions endpoint, with retries."""
 
-    def __init__(self, url: str, retries: int = 5, backoff_s: float = 0.5, timeout_s: float = 600) -> None:
-        self.url, self.retries, self.backoff_s = url.rstrip("/"), retries, backoff_s
-        self.client = httpx.Client(base_url=self.url, timeout=timeout_s)
+    def __init__(
+        self, url: str, retries: int = 5, backoff_s: float = 0.5, timeout_s: float = 600, api_key: str | None = None
+    ) -> None:
+        """`url`: the server's root or its OpenAI base URL (`http://host:port/v1`, as OpenAI clients take it);
+        `api_key`: sent as `Authorization: Bearer` when given."""
+        self.url, self.retries, self.backoff_s = url.rstrip("/").removesuffix("/v1"), retries, backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.client = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
         self.token_ids = True  # ask for `return_token_ids` until the server says it does not know it
         try:
             models = self._call("GET", "/v1/models").json()["data"]
@@ -161,12 +166,12 @@ def distill_on_engine(
 
 def distill_with_engine(
     url: str, model, tokenizer, prompts: list[Prompt], out: str, max_new_tokens: int = 256, temperature: float = 0.0,
-    concurrency: int = 16, seed: int = 0, retries: int = 5, check_model: bool = True,
+    concurrency: int = 16, seed: int = 0, retries: int = 5, check_model: bool = True, api_key: str | None = None,
 ) -> dict:  # fmt: skip
     """Connect to the server at `url`, check it serves `model` (the target, loaded here), distill `prompts`."""
     eos = model.generation_config.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [tokenizer.eos_token_id])
-    engine = EngineClient(url, retries=retries)
+    engine = EngineClient(url, retries=retries, api_key=api_key)
     if check_model:
         check_served_model(engine, model, tokenizer, eos_ids)
     return distill_on_engine(engine, tokenizer, eos_ids, prompts, out, max_new_tokens, temperature, concurrency, seed)

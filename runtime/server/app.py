@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import json
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -88,7 +89,9 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-def build_app(engine: Engine, config: ServeConfig) -> BodyLimit:
+def build_app(engine: Engine, config: ServeConfig, api_key: str | None = None) -> BodyLimit:
+    """The app; with `api_key`, every /v1/ request needs `Authorization: Bearer <api_key>` (else 401), /health and
+    /metrics stay open. The key is kept out of `config`, which the CLI prints."""
     metrics = ServerMetrics()
     worker = Worker(engine, metrics, config.max_queue, config.time_limit_s, config.step_aside_queue,
                     config.min_acceptance)  # fmt: skip
@@ -133,6 +136,19 @@ def build_app(engine: Engine, config: ServeConfig) -> BodyLimit:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return error(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"), request.url.path)
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):  # constant time: the key leaks no prefix
+                    e = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                 type_="authentication_error", code="invalid_api_key")  # fmt: skip
+                    return error(e, request.url.path, {"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     async def reject_body(scope, receive, send) -> None:
         e = APIError(413, f"request body larger than {config.max_body_bytes} bytes", code="request_too_large")

@@ -50,9 +50,16 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) 
             "acceptance_length": extra.get("acceptance_length", 0.0)}  # fmt: skip
 
 
-def run_level(url: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+def auth(api_key: str | None) -> dict[str, str] | None:
+    """The header a server started with `--api-key` wants."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+
+def run_level(
+    url: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, api_key: str | None = None
+) -> dict:
     def client_job(c: int) -> list[dict]:
-        with httpx.Client(base_url=url, timeout=None) as client:
+        with httpx.Client(base_url=url, timeout=None, headers=auth(api_key)) as client:
             return [one_request(client, model, prompts[(c * per_client + i) % len(prompts)], max_tokens)
                     for i in range(per_client)]  # fmt: skip
 
@@ -118,7 +125,9 @@ def soak_request(client: httpx.Client, kind: str, model: str, prompt: str, rng) 
     return client.post(path, content=body, headers={"content-type": "application/json"}).status_code
 
 
-def soak(url: str, model: str, prompts: list[str], seconds: float, clients: int, seed: int = 0) -> dict:
+def soak(
+    url: str, model: str, prompts: list[str], seconds: float, clients: int, seed: int = 0, api_key: str | None = None
+) -> dict:
     """`clients` threads send a random mix of SOAK_KINDS for `seconds` while /health is polled; counts by kind and
     status, /health latency, the server's resident memory (from /metrics) at the start and the end."""
     import random
@@ -138,7 +147,7 @@ def soak(url: str, model: str, prompts: list[str], seconds: float, clients: int,
 
     def client_loop(c: int) -> None:
         rng = random.Random(seed * 1000 + c)
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=url, timeout=120, headers=auth(api_key)) as client:
             while time.perf_counter() < stop:
                 kind = rng.choice(SOAK_KINDS)
                 try:

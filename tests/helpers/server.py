@@ -23,7 +23,7 @@ class SlowDrafter:
 
     def __init__(self, inner, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
-        self.name = inner.name
+        self.name, self.feature_layers = inner.name, inner.feature_layers
 
     def start(self, *args):
         return self.inner.start(*args)
@@ -39,12 +39,12 @@ class SlowDrafter:
 class LiveServer:
     """uvicorn serving `build_app(engine, config)` on a free loopback port, in a thread."""
 
-    def __init__(self, engine: Engine, **config) -> None:
+    def __init__(self, engine: Engine, api_key: str | None = None, **config) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        app = build_app(engine, ServeConfig(NAME, **config))
+        app = build_app(engine, ServeConfig(NAME, **config), api_key)
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -58,8 +58,8 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=20)
 
-    def client(self) -> OpenAI:
-        return OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+    def client(self, api_key: str = "unused") -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
 
     def metric(self, name: str, **labels) -> float:
         text = httpx.get(self.url + "/metrics").text
