@@ -38,9 +38,11 @@ def _key(target: Target) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def measure_cost_curve(target: Target, reps: int = 3) -> dict[int, float]:
+def measure_cost_curve(target: Target, reps: int = 5) -> dict[int, float]:
     """ms per target forward at each of ROWS (a chain of rows - 1 nodes over PAST cached tokens), the median of
-    `reps` passes that interleave the row counts (so machine noise hits them alike). Leaves the cache empty."""
+    `reps` passes that interleave the row counts (so machine noise hits them alike), made non-decreasing (fewer
+    rows never cost more than more rows: a dearer point is noise, lowered to the cheapest count above it).
+    Leaves the cache empty."""
     gen = torch.Generator().manual_seed(0)
     vocab = target.model.config.vocab_size
     past = min(PAST, target.max_len - max(ROWS) - 1)
@@ -57,7 +59,11 @@ def measure_cost_curve(target: Target, reps: int = 3) -> dict[int, float]:
             times[rows].append(time.perf_counter() - t0)
             target.commit([])
     target.prefill([])
-    return {rows: 1e3 * statistics.median(ts[1:]) for rows, ts in times.items()}
+    curve, cheapest = {}, float("inf")
+    for rows in sorted(times, reverse=True):
+        cheapest = min(cheapest, 1e3 * statistics.median(times[rows][1:]))
+        curve[rows] = cheapest
+    return dict(sorted(curve.items()))
 
 
 def cost_curve(target: Target, cache: Path | None) -> dict[int, float]:

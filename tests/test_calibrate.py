@@ -43,6 +43,7 @@ def test_the_curve_is_measured_once_and_cached(tmp_path, monkeypatch):
     target = Target(tiny_llama(vocab_size=64))
     curve = cost_curve(target, tmp_path)
     assert sorted(curve) == list(calibrate.ROWS) and all(ms > 0 for ms in curve.values())
+    assert all(curve[a] <= curve[b] for a, b in zip(calibrate.ROWS, calibrate.ROWS[1:], strict=False))
     assert target.past_len == 0
     monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
     assert cost_curve(target, tmp_path) == curve
