@@ -145,12 +145,16 @@ class Engine:
 
     def _draft_ms_per_depth(self, spec: str, **options: Any) -> float:
         """ms of drafting per tree depth, measured: a short greedy decode of a synthetic prompt with `spec`'s
-        drafter at its default tree (Medusa's heads guess every depth at once: 0)."""
+        drafter (its options and profile, the default tree size). Medusa's heads guess every depth at once: 0."""
         base = parse_spec(spec).base
         if base.startswith("medusa"):
             return 0.0
+        sizes = ("budget", "sampled_budget", "depth")  # the rest (top_k, draft_vocab ...) as the real drafter's
+        own = {k: v for k, v in options.items() if k in option_names(base) and k not in sizes}
+        if "min_prob" in option_names(base):
+            own["min_prob"] = 0.0  # every depth drafted, so the time divides by the depth
         drafter = make_drafter(base, self.target.model, self.tokenizer, model_name=self.model_name,
-                               profile="neutral", **{k: v for k, v in options.items() if k == "heads"})  # fmt: skip
+                               profile=self.profile, **own)  # fmt: skip
         vocab, gen = self.target.model.config.vocab_size, torch.Generator().manual_seed(0)
         prompt = torch.randint(0, vocab, (64,), generator=gen).tolist()
         stats = GenerationStats()
