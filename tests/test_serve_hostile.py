@@ -122,10 +122,29 @@ def test_openai_defaults_pass_and_wrong_types_do_not(slow):
         assert r.status_code == 400 and param in r.json()["error"]["message"], (extra, r.text)
 
 
-def test_bad_unicode_is_a_400_and_any_500_is_an_openai_body(slow):
+def test_bad_unicode_is_a_400(slow):
     body = '{"model": "tiny", "prompt": "a \\ud800 b", "max_tokens": 2}'
     r = httpx.post(slow.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
+
+
+def test_an_unexpected_error_is_a_500_with_an_openai_body(tiny_model_dir, monkeypatch):
+    """A bug inside a route (here: the worker refuses every job with a RuntimeError) answers that request with
+    OpenAI's error body and a 500, counted in /metrics; the server goes on answering."""
+    live = LiveServer(tiny_engine(tiny_model_dir, "none"))
+    try:
+        def broken(job):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(live.app.state.worker, "submit", broken)
+        r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "the", "max_tokens": 2})
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error",
+                                     "param": None, "code": None}  # fmt: skip
+        assert live.metric("headstart_requests_total", endpoint="/v1/completions", status="500") == 1
+        assert httpx.get(live.url + "/health").status_code == 200
+    finally:
+        live.close()
 
 
 def test_head_on_get_routes_and_allow_on_405(slow):
@@ -189,7 +208,7 @@ def test_served_model_name_is_never_a_path():
     assert served_name("/x/y", "mine") == "mine"
 
 
-def test_port_is_free_again(slow):
+def test_the_server_still_answers_after_the_hostile_clients(slow):
     """The module's server still answers after everything above (nothing crashed it)."""
     assert httpx.get(slow.url + "/health").json()["status"] == "ok"
     with socket.create_connection(("127.0.0.1", int(slow.url.rsplit(":", 1)[1])), timeout=5):

@@ -21,7 +21,6 @@ SHIPPED = Path(__file__).resolve().parents[1] / "heads" / "trained"
 
 @pytest.fixture(scope="module")
 def engine():
-    pytest.importorskip("gguf")
     return Engine.load("smollm2-135m-instruct", dtype="float32")
 
 
