@@ -133,6 +133,7 @@ def test_an_unexpected_error_is_a_500_with_an_openai_body(tiny_model_dir, monkey
     OpenAI's error body and a 500, counted in /metrics; the server goes on answering."""
     live = LiveServer(tiny_engine(tiny_model_dir, "none"))
     try:
+
         def broken(job):
             raise RuntimeError("a bug")
 
