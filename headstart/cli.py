@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,8 +89,6 @@ def _add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None
 
 def _has_cuda() -> bool:
     """Whether a CUDA device is visible, without importing torch (which help must not load)."""
-    import os
-
     return os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and Path("/dev/nvidiactl").exists()
 
 
@@ -402,9 +401,13 @@ def served_name(model: str, given: str | None) -> str:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $HEADSTART_API_KEY, else None."""
+    return args.api_key or os.environ.get("HEADSTART_API_KEY") or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
-    import os
 
     import uvicorn
 
@@ -425,7 +428,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options["max_body_bytes"] = int(args.max_body_mb * (1 << 20))
     config = ServeConfig(served_name(args.model, args.served_model_name),
                          **{k: v for k, v in options.items() if v is not None})  # fmt: skip
-    api_key = args.api_key or os.environ.get("HEADSTART_API_KEY") or None
+    api_key = _api_key(args)
     if api_key is None and args.host not in LOOPBACK:
         print(f"headstart: warning: serving on {args.host} without an API key: anyone who reaches it can use it "
               "(--api-key or HEADSTART_API_KEY)", file=sys.stderr)  # fmt: skip
@@ -438,7 +441,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     import httpx
@@ -452,7 +454,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     if min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
     prompts = [p.text for p in load_prompts(_bench_prompts(args.prompts))]
-    api_key = args.api_key or os.environ.get("HEADSTART_API_KEY") or None
+    api_key = _api_key(args)
     try:
         health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
     except (httpx.HTTPError, ValueError) as e:
@@ -472,8 +474,6 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    import os
-
     from headstart.runtime.models import load_model
     from headstart.train.distill import derived_prompts, distill
 
@@ -495,7 +495,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         stats = distill_with_engine(args.engine, model, tokenizer, prompts, args.out, args.max_new_tokens,
                                     args.temperature, args.concurrency, args.seed, args.retries,
                                     check_model=not args.no_model_check,
-                                    api_key=args.api_key or os.environ.get("HEADSTART_API_KEY") or None)  # fmt: skip
+                                    api_key=_api_key(args))  # fmt: skip
     else:
         stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                         seed=args.seed)  # fmt: skip

@@ -59,16 +59,28 @@ class Record:
 
 @dataclass
 class Run:
-    """One generation of one method."""
+    """One generation of one method; our loop's figures come from its `stats` (None for hf)."""
 
     tokens: list[int]
     seconds: float
-    target_passes: int | None = None  # None: the method does not report it (hf)
-    draft_ms: float | None = None
-    verify_ms: float | None = None
-    accepted_per_depth: list[int] | None = None
-    stats: GenerationStats | None = None  # our loop's own statistics
+    stats: GenerationStats | None = None
     chunks: list[list[int]] | None = None  # the tokens of each round
+
+    @property
+    def target_passes(self) -> int | None:
+        return self.stats.target_passes if self.stats else None
+
+    @property
+    def accepted_per_depth(self) -> list[int] | None:
+        return self.stats.accepted_per_depth if self.stats else None
+
+    @property
+    def draft_ms(self) -> float | None:
+        return 1e3 * self.stats.draft_s / max(self.stats.target_passes, 1) if self.stats else None
+
+    @property
+    def verify_ms(self) -> float | None:
+        return 1e3 * self.stats.verify_s / max(self.stats.target_passes, 1) if self.stats else None
 
 
 def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
@@ -76,10 +88,7 @@ def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: Sampli
     stats = GenerationStats()
     t0 = time.perf_counter()
     chunks = [c.tokens for c in stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats)]
-    seconds = time.perf_counter() - t0
-    rounds = max(stats.target_passes, 1)
-    return Run([t for chunk in chunks for t in chunk], seconds, stats.target_passes, 1e3 * stats.draft_s / rounds,
-               1e3 * stats.verify_s / rounds, stats.accepted_per_depth, stats, chunks)  # fmt: skip
+    return Run([t for chunk in chunks for t in chunk], time.perf_counter() - t0, stats, chunks)
 
 
 def phase_breakdown(stats: GenerationStats, seconds: float, detokenise_s: float) -> dict[str, float]:

@@ -120,6 +120,14 @@ def _available_bytes() -> int | None:
     return None
 
 
+def prepack_like_target(target_lm_head: nn.Module, heads: nn.Module, readout) -> None:
+    """Draft heads (and their readout, `heads.vocab.DraftReadout`) get the kernels of the target whose lm_head is
+    `target_lm_head`: packed when the target was prepacked, stock otherwise."""
+    if isinstance(target_lm_head, PackedLinear):
+        prepack_linears(heads)
+        readout.project = packed_projection(readout.weight)
+
+
 def prepack_linears(model: nn.Module) -> Prepacked:
     """Swap every `nn.Linear` of `model` for a `PackedLinear` in place, where the model suits a packing and its
     packed copies (one in bfloat16, one per row bucket in float32) take at most half the memory available."""

@@ -36,9 +36,7 @@ class Verified:
 
 def features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
     """The hidden states `layers` names (indices into `output_hidden_states`: k = after k decoder layers,
-    -1 = the last, after the final norm), concatenated: (..., len(layers) * H); no layers: None."""
-    if not layers:
-        return None
+    -1 = the last, after the final norm), concatenated: (..., len(layers) * H)."""
     if layers == (-1,):
         return hidden_states[-1]
     return torch.cat([hidden_states[k] for k in layers], dim=-1)
@@ -48,8 +46,8 @@ class Target:
     prepack_default = True  # `fast` when not given (the test suite's --no-prepack turns it off)
 
     def __init__(self, model: PreTrainedModel, fast: bool | None = None) -> None:
-        """`fast`: prepack the model's linear layers in place (CPU; `runtime/kernels.py`), once; the seconds it
-        took are `startup_s`; trees are then padded to the row counts the packed kernels are made for."""
+        """`fast`: prepack the model's linear layers in place (CPU; `runtime/kernels.py`), once (`packed` says how
+        and in how many seconds); trees are then padded to the row counts the packed kernels are made for."""
         fast = self.prepack_default if fast is None else fast
         self.model = model.eval().requires_grad_(False)
         self.device = model.device
@@ -57,7 +55,6 @@ class Target:
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.layout = AttentionLayout(model.config)
         self.packed = prepack_linears(model) if fast else Prepacked()
-        self.startup_s = self.packed.seconds
         self._fed = 0  # rows the last `verify` fed: the root, the tree, any padding
         self._lm_head_clock: list[float] | None = None  # [start, seconds] while `timing_lm_head` is on
         self.cache = TargetCache()  # full on every layer, sliding-window ones too (runtime/attention.py)

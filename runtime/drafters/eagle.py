@@ -31,7 +31,7 @@ from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
-from headstart.runtime.kernels import PackedLinear, packed_projection, prepack_linears
+from headstart.runtime.kernels import prepack_like_target
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
 
@@ -55,9 +55,7 @@ class EagleDrafter(SamplingDrafter):
         o = options or EagleOptions()
         super().__init__(lm_head.weight.device)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head, o.draft_vocab)
-        if isinstance(lm_head, PackedLinear):  # a prepacked target: its heads get the same kernels
-            prepack_linears(head)
-            self.readout.project = packed_projection(self.readout.weight)
+        prepack_like_target(lm_head, head, self.readout)  # packed kernels when the target's are
         self.feature_layers = head.feature_layers
         self.name = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
         self.vocab_size = lm_head.weight.shape[0]

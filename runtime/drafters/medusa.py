@@ -18,7 +18,7 @@ from torch import nn
 
 from headstart.heads.medusa import MedusaHeads
 from headstart.runtime.drafters.base import SamplingDrafter
-from headstart.runtime.kernels import PackedLinear, packed_projection, prepack_linears
+from headstart.runtime.kernels import prepack_like_target
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, choose_tree_shape
 
@@ -43,9 +43,7 @@ class MedusaDrafter(SamplingDrafter):
             raise ValueError(f"tree shape must list every parent before its children (bad: {bad[:3]})")
         super().__init__(lm_head.weight.device)
         self.heads, self.readout, self.shape = heads, heads.readout(lm_head, draft_vocab), shape
-        if isinstance(lm_head, PackedLinear):  # a prepacked target: its heads get the same kernels
-            prepack_linears(heads)
-            self.readout.project = packed_projection(self.readout.weight)
+        prepack_like_target(lm_head, heads, self.readout)  # packed kernels when the target's are
         self.depth = depth
         self.ranks = max(p[-1] for p in shape) + 1
         self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in shape]

@@ -15,17 +15,15 @@ head's file hash into FILE (docs/benchmarks.md) between `<!-- vllm-bench -->` ma
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_check import vllm_side  # noqa: E402
+from vllm_check import engine_args, export_for_vllm, vllm_acceptance, vllm_side  # noqa: E402
 
 CHAIN = 3
 METHODS = {  # label -> (drafter spec, options, profile)
@@ -66,27 +64,14 @@ def headstart_side(heads: Path, ids: list[list[int]], max_tokens: int) -> dict[s
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from headstart.heads.checkpoint import shipped_heads
-    from headstart.heads.export import export_heads
     from headstart.runtime.bench import replace_section
     from headstart.runtime.engine import Engine
-    from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
     from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--heads", default=None, help="EAGLE-3 heads (default: shipped for the embedded model)")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
-    p.add_argument("--out", default=str(ROOT / "runs/vllm-bench"))
+    p = engine_args(__doc__.split("\n")[0], 128, "vllm-bench")
     p.add_argument("--doc", default=None, help="also write the table into this Markdown file (docs/benchmarks.md)")
     args = p.parse_args()
-    heads = Path(args.heads) if args.heads else shipped_heads(DEFAULT_MODEL, "eagle3")
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    model_dir = str(resolve_model_dir(DEFAULT_MODEL))
-    draft = export_heads(heads, out / "eagle3", resolve=lambda name: model_dir)
+    heads, out, model_dir, draft = export_for_vllm(args)
     sha = hashlib.sha256((heads / "model.safetensors").read_bytes()).hexdigest()[:12]
 
     texts = [pr.text for pr in load_prompts(ROOT / TEST_PROMPTS, limit=args.prompts)]
@@ -98,10 +83,8 @@ def main() -> int:
         got = vllm_side(args.vllm_python, model_dir, out / "prompt_ids.json", out / f"{label}.json", args.max_tokens,
                         with_draft, one_at_a_time=True)  # fmt: skip
         tokens = sum(len(t) for t in got["token_ids"])
-        counters = got["spec_decode"]
-        drafts = counters.get("vllm:spec_decode_num_drafts") or 0
-        accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
-        rows[label] = {"tok/s": tokens / got["seconds"], "acceptance length": 1 + accepted / drafts if drafts else 1.0}
+        tau = vllm_acceptance(got["spec_decode"])[0] if with_draft else 1.0
+        rows[label] = {"tok/s": tokens / got["seconds"], "acceptance length": tau}
     ours = headstart_side(heads, ids, args.max_tokens)
     choice = ours.pop("_tree")
     tree = (f"{choice.budget} nodes, depth {choice.depth}, predicted acceptance {choice.expected_tokens:.2f} and "

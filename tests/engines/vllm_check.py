@@ -60,19 +60,25 @@ def vllm_side(python: str, model: str, prompt_file: Path, out: Path, max_tokens:
     return json.loads(out.read_text())
 
 
-def main() -> int:
+def engine_args(description: str, max_tokens: int, out_name: str) -> argparse.ArgumentParser:
+    """The arguments the engine scripts share; outputs go outside the work tree (the cache's runs/)."""
+    from headstart.runtime.models import cache_dir
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--heads", default=None, help="EAGLE-3 heads (default: shipped for the embedded model)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    p.add_argument("--out", default=str(cache_dir() / "runs" / out_name))
+    return p
+
+
+def export_for_vllm(args: argparse.Namespace) -> tuple[Path, Path, str, Path]:
+    """(heads, a fresh out folder, the embedded model's directory, the heads exported into out/eagle3)."""
     from headstart.heads.checkpoint import shipped_heads
     from headstart.heads.export import export_heads
     from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
-    from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--heads", default=None, help="EAGLE-3 heads (default: shipped for the embedded model)")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
-    p.add_argument("--out", default=str(ROOT / "runs/vllm-check"))
-    args = p.parse_args()
     heads = Path(args.heads) if args.heads else shipped_heads(DEFAULT_MODEL, "eagle3")
     if heads is None:
         sys.exit("no EAGLE-3 heads shipped for the embedded model: pass --heads DIR")
@@ -80,19 +86,29 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     model_dir = str(resolve_model_dir(DEFAULT_MODEL))
-    draft = export_heads(heads, out / "eagle3", resolve=lambda name: model_dir)
+    return heads, out, model_dir, export_heads(heads, out / "eagle3", resolve=lambda name: model_dir)
 
+
+def vllm_acceptance(counters: dict) -> tuple[float, int, list]:
+    """vLLM's mean acceptance length (1 + accepted / drafts), its drafts and its accepted tokens per position."""
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+    per_pos = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    return (1 + accepted / drafts if drafts else 0.0), drafts, per_pos
+
+
+def main() -> int:
+    from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
+
+    args = engine_args(__doc__.split("\n")[0], 96, "vllm-check").parse_args()
+    heads, out, model_dir, draft = export_for_vllm(args)
     prompts = [pr.text for pr in load_prompts(ROOT / TEST_PROMPTS, limit=args.prompts)]
     ours = headstart_side(heads, prompts, args.max_tokens)
     (out / "prompt_ids.json").write_text(json.dumps(ours["prompt_ids"]))
     plain = vllm_side(args.vllm_python, model_dir, out / "prompt_ids.json", out / "plain.json", args.max_tokens, None)
     spec = vllm_side(args.vllm_python, model_dir, out / "prompt_ids.json", out / "eagle3.json", args.max_tokens, draft)
 
-    counters = spec["spec_decode"]
-    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
-    per_pos = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-    vllm_tau = 1 + accepted / drafts if drafts else 0.0
+    vllm_tau, drafts, per_pos = vllm_acceptance(spec["spec_decode"])
     same = sum(a == b for a, b in zip(plain["token_ids"], spec["token_ids"], strict=True))
     same_as_ours = sum(a == b for a, b in zip(ours["token_ids"], spec["token_ids"], strict=True))
     gap = abs(vllm_tau - ours["acceptance_length"]) / ours["acceptance_length"]
