@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -119,5 +120,13 @@ def test_acceptance_per_depth_and_the_wandb_report(tmp_path, monkeypatch):
     rows = {(r[0], r[1]): r for r in logged["data"]}
     assert rows[("eagle3", "overall")][5] == pytest.approx(9 / 5)
     assert json.loads(rows[("eagle3", "qa")][6]) == pytest.approx([0.6, 1 / 3])
-    history = next(tmp_path.rglob("run-*.wandb")).read_bytes()  # the metrics, named as training names them
-    assert b"eagle3/qa/T=0.0/head_2/acceptance" in history and b"eagle3/overall/T=0.0/acceptance_length" in history
+    # the metrics, named as training names them; wandb's service process writes the offline history file and may
+    # still be flushing it when finish() returns, so wait for it (at most 60 s)
+    wanted = (b"eagle3/qa/T=0.0/head_2/acceptance", b"eagle3/overall/T=0.0/acceptance_length")
+    deadline = time.monotonic() + 60
+    while True:
+        history = b"".join(p.read_bytes() for p in tmp_path.rglob("run-*.wandb"))
+        if all(name in history for name in wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(name in history for name in wanted)
