@@ -20,7 +20,7 @@ from headstart.runtime.drafters.registry import names, option_names, parse_spec
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
 from headstart.runtime.profiles import PROFILES
 from headstart.runtime.prompts import SPEC_BENCH, TEST_PROMPTS, Prompt, load_prompts
-from headstart.train.distill import DERIVED
+from headstart.train.distill import BACKENDS, DERIVED
 
 # CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
 FLAGS = {"heads": "--heads", "budget": "--tree-budget", "depth": "--tree-depth", "top_k": "--tree-top-k",
@@ -212,7 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
-    ds.add_argument("--batch-size", type=int, default=16)
+    ds.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
+    ds.add_argument("--backend", default="batched", choices=BACKENDS,
+                    help="batched: continuous batching (default); hf: transformers' generate")  # fmt: skip
+    ds.add_argument("--compare-backends", action="store_true",
+                    help="benchmark: answer the prompts with both backends (T = 0) into OUT/hf and OUT/batched, "
+                    "print both rates and how many rows agree")  # fmt: skip
+    ds.add_argument("--also", action="append", default=[], metavar="DIR",
+                    help="distilled folders beside --out: ids in them are not answered again (repeatable)")  # fmt: skip
+    ds.add_argument("--exclude", action="append", default=None, metavar="FILE",
+                    help="prompt files held out of distillation, by id, source id or text (repeatable; default: "
+                    "configs/tune-prompts.jsonl, configs/tune-derived.jsonl and Spec-Bench where present)")  # fmt: skip
+    ds.add_argument("--no-prepack", action="store_true", help="stock linear kernels (runtime/kernels.py)")
     ds.add_argument("--engine", default=None, metavar="URL",
                     help="answer on this OpenAI-compatible server (vLLM, SGLang, headstart serve), not locally; "
                     "--model is the target it must serve (checked on a probe prompt)")  # fmt: skip
@@ -473,9 +484,13 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     return 0
 
 
+HELD_OUT = ("configs/tune-prompts.jsonl", "configs/tune-derived.jsonl", SPEC_BENCH)  # never distilled
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from headstart.runtime.models import load_model
-    from headstart.train.distill import derived_prompts, distill
+    from headstart.train.distill import compare_backends, derived_prompts, distill
+    from headstart.train.sources import answered_ids, file_sha, held_out
 
     _check_lengths(args)
     _sampling(args.temperature)
@@ -483,12 +498,31 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise UserError("--batch-size and --limit must be >= 1")
     if args.retries < 0:
         raise UserError(f"--retries must be >= 0, got {args.retries}")
+    for folder in args.also:
+        if not Path(folder).is_dir():
+            raise UserError(f"--also {folder}: no such folder")
+    exclude = args.exclude if args.exclude is not None else [f for f in HELD_OUT if Path(f).is_file()]
+    for f in exclude:
+        if not Path(f).is_file():
+            raise UserError(f"--exclude {f}: no such file")
     if args.derive is None:
         prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
                                skip_malformed=True)  # fmt: skip
+        source = {"prompts": args.prompts, "prompts_sha": file_sha(args.prompts),
+                  "filter": {"permissive_only": args.permissive_only, "limit": args.limit}}  # fmt: skip
     model, tokenizer = load_model(args.model, args.dtype, args.device, args.adapter, not args.no_merge)
     if args.derive is not None:
         prompts = derived_prompts(args.derive, args.out, tokenizer, args.limit or 1000)
+        source = {"prompts": f"derived:{args.derive}", "filter": {"limit": args.limit}}
+    prompts, dropped = held_out(prompts, exclude)
+    source["held_out"] = {"files": exclude, "dropped": dropped}
+    if dropped:
+        print(f"headstart: {dropped} prompt(s) held out (tuning and evaluation prompts)", file=sys.stderr)
+    if args.compare_backends:
+        result = compare_backends(model, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size)
+        print(json.dumps(result, indent=2))
+        (Path(args.out) / "compare.json").write_text(json.dumps(result, indent=2))
+        return 0
     if args.engine:
         from headstart.train.engine import distill_with_engine
 
@@ -498,7 +532,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
                                     api_key=_api_key(args))  # fmt: skip
     else:
         stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
-                        seed=args.seed)  # fmt: skip
+                        seed=args.seed, backend=args.backend, skip_ids=answered_ids(args.also),
+                        prepack=not args.no_prepack, source=source)  # fmt: skip
     print(
         f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
         f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s",

@@ -18,6 +18,7 @@ class Prompt:
     id: str
     category: str
     text: str  # the first user turn
+    origin: str = ""  # "source/id" as the file gives them (ids repeat across sources; `id` may be renamed)
 
 
 def load_prompts(
@@ -71,7 +72,8 @@ def load_prompts(
             if not grouped and limit_per_category is not None and per_category.get(category, 0) >= limit_per_category:
                 continue
             per_category[category] = per_category.get(category, 0) + 1
-            prompts.append(Prompt(str(row.get("id", line_no)), category, text))
+            raw_id = str(row.get("id", line_no))
+            prompts.append(Prompt(raw_id, category, text, f"{row.get('source', '')}/{raw_id}"))
             if grouped:
                 members.setdefault(category, {}).setdefault(original, []).append(prompts[-1])
             if limit is not None and len(prompts) >= limit:
@@ -84,7 +86,7 @@ def load_prompts(
     if not prompts:
         raise ValueError(f"{path}: no prompts" + (f" in categories {sorted(categories)}" if categories else ""))
     if len({p.id for p in prompts}) != len(prompts):
-        prompts = [Prompt(f"{p.id}#{i}", p.category, p.text) for i, p in enumerate(prompts)]
+        prompts = [Prompt(f"{p.id}#{i}", p.category, p.text, p.origin) for i, p in enumerate(prompts)]
     return prompts
 
 

@@ -2,7 +2,7 @@
 
 For each family every drafter gives the tokens of the model's own greedy `generate` over a sequence
 longer than twice the sliding window (Mistral: every layer windowed; Gemma 3: windowed and full layers
-mixed), and each head kind builds and takes one training step. docs/architecture.md's support table is
+mixed), batched distillation decodes as `generate`, and each head kind builds and takes one training step. docs/architecture.md's support table is
 what this test proves.
 """
 
@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
 from headstart.heads.vocab import DraftReadout
+from headstart.runtime.batched import decode_batched
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.train.config import LoraConfig
@@ -85,6 +86,16 @@ def test_greedy_identity_past_the_window(family, drafter):
     accepted = assert_greedy_identity(model, built, PROMPTS, max_new_tokens=NEW_TOKENS)
     if drafter == "model":  # the target's own layers drafting: speculation really happened
         assert accepted > NEW_TOKENS, f"{name}: {accepted} draft tokens accepted"
+
+
+def test_batched_distillation_decodes_as_generate(family):
+    # several sequences at once, each at its own positions, past the sliding window: the tokens of `generate`
+    name, model, _, _ = family
+    prompts = [*PROMPTS, PROMPTS[0][:3] + [30, 31]]
+    got = dict(decode_batched(model, prompts, NEW_TOKENS, frozenset(), slots=2))
+    for i, ids in enumerate(prompts):
+        want = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
+        assert got[i] == want.tolist(), f"{name}: prompt {i}"
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "medusa2"])

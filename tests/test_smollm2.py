@@ -137,3 +137,13 @@ def test_greedy_identity_with_a_lora_adapter(tmp_path):
             drafter = engine.make_drafter(spec)
         assert_identity(engine, drafter, prompts, max_new_tokens=32)
     _GENERATE.clear()
+
+
+def test_batched_distillation_gives_the_generate_rows_in_float32(engine, tmp_path):
+    # 8 prompts, 64 tokens: continuous batching (shared prefix, slots refilled) against transformers' generate
+    from headstart.train.distill import compare_backends
+
+    prompts = load_prompts(PROMPTS, limit=8)
+    result = compare_backends(engine.target.model, engine.tokenizer, prompts, tmp_path, max_new_tokens=64,
+                              batch_size=4)  # fmt: skip
+    assert result["rows"] == 8 and result["same_rows"] == 8, result

@@ -53,6 +53,7 @@ class HeadsConfig:
 @dataclass
 class DataConfig:
     path: str = "runs/distill/smollm2"  # distilled shards (train/distill.py output)
+    sources: list[str] = field(default_factory=list)  # more distilled folders, read with `path` as one (read-only)
     distill_prompts: str = ""  # if set and `path` holds no shards: distill these prompts first
     distill_limit: int = 256  # rows to distill then
     distill_max_new_tokens: int = 64

@@ -14,21 +14,25 @@ import torch
 class Row:
     input_ids: list[int]  # prompt (chat template included) + response
     n_prompt: int  # tokens before the response: no loss there
-    index: int = -1  # position in load_rows' list (the feature cache's key)
+    index: int = -1  # position in load_rows' list
+    id: str = ""  # the distilled row's id (the feature cache's key)
 
 
-def load_rows(path: str | Path, max_len: int) -> list[Row]:
-    """Every distilled row under `path` (JSONL shards), cut to `max_len` tokens, via `datasets`."""
+def load_rows(paths: str | Path | list[str | Path], max_len: int) -> list[Row]:
+    """Every distilled row under `paths` (folders of JSONL shards, read as one via `datasets`), cut to `max_len`
+    tokens; a row id already read from an earlier folder is skipped."""
     from datasets import load_dataset
 
-    shards = sorted(str(p) for p in Path(path).glob("shard-*.jsonl"))
-    if not shards:
-        raise ValueError(f"no distilled shards (shard-*.jsonl) in {path}: run `headstart distill` first")
-    data = load_dataset("json", data_files=shards, split="train")
-    rows = []
-    for prompt, response in zip(data["prompt_ids"], data["response_ids"], strict=True):
-        if response and len(prompt) < max_len:
-            rows.append(Row((prompt + response)[:max_len], len(prompt), len(rows)))
+    rows, seen = [], set()
+    for path in [paths] if isinstance(paths, str | Path) else paths:
+        shards = sorted(str(p) for p in Path(path).glob("shard-*.jsonl"))
+        if not shards:
+            raise ValueError(f"no distilled shards (shard-*.jsonl) in {path}: run `headstart distill` first")
+        data = load_dataset("json", data_files=shards, split="train")
+        for row_id, prompt, response in zip(data["id"], data["prompt_ids"], data["response_ids"], strict=True):
+            if response and len(prompt) < max_len and row_id not in seen:
+                seen.add(row_id)
+                rows.append(Row((prompt + response)[:max_len], len(prompt), len(rows), str(row_id)))
     return rows
 
 

@@ -1,8 +1,11 @@
 """Self-distillation: the target answers each prompt under its chat template; heads learn its own outputs.
 
 Rows go to JSONL shards (`shard-00000.jsonl`, ...) that `datasets.load_dataset("json", ...)` reads:
-`{"id", "category", "prompt_ids", "response_ids"}`. Killed and restarted with the same command, it
-skips every id already written and cuts a half-written last line, so no row is duplicated or lost.
+`{"id", "category", "prompt_ids", "response_ids"}`, written as they finish. Killed and restarted with the
+same command, it skips every id already written and cuts a half-written last line, so no row is duplicated
+or lost. The folder's manifest records what made its rows (`train/sources.py`). The prompts are answered by
+`runtime/batched.py` (continuous batching through the target's own forward, the prompts' shared prefix
+computed once); `backend="hf"` keeps transformers' batched `generate`, the path it replaced.
 
     headstart distill --prompts ../shared/data/train/prompts.jsonl --out runs/distill/smollm2 --permissive-only
 
@@ -171,6 +174,14 @@ def _batches(prompts: list[Prompt], size: int) -> Iterator[list[Prompt]]:
         yield prompts[i : i + size]
 
 
+BACKENDS = ("batched", "hf")  # our continuous-batching loop (default); transformers' batched generate
+
+
+def row_seed(seed: int, row_id: str) -> int:
+    """A row's sampling seed: its answer at T > 0 depends on the run's seed and its id, not on its batch."""
+    return (seed * 1_000_003 + int(hashlib.sha256(row_id.encode()).hexdigest()[:12], 16)) % (1 << 63)
+
+
 def distill(
     model,
     tokenizer,
@@ -178,24 +189,63 @@ def distill(
     out: str | Path,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
-    batch_size: int = 16,
+    batch_size: int = 64,
     rows_per_shard: int = 1000,
     seed: int = 0,
+    backend: str = "batched",
+    skip_ids: frozenset[str] = frozenset(),
+    progress: bool = True,
+    prepack: bool = True,
+    source: dict | None = None,
 ) -> dict:
-    """Answer every prompt not answered yet; returns throughput figures."""
+    """Answer every prompt not answered yet (in `out` or in `skip_ids`); returns throughput figures.
+
+    `backend` "batched": `batch_size` sequences decode together through `runtime.batched.decode_batched`, a
+    finished one's slot refilled at once, rows written as they finish; "hf": transformers' `generate` on
+    batches of `batch_size` left-padded prompts (the earlier path, kept to compare against). `prepack`: the
+    batched backend's linear layers prepacked in place (`runtime/kernels.py`). The folder's manifest
+    (`train/sources.py`) must agree with this target and these settings; the run is recorded there with `source`
+    (the prompt file and filter that chose `prompts`)."""
     import torch  # here, not at the top: `headstart --help` reads DERIVED without loading torch
 
+    from headstart.train.sources import check_resumable, made_by, record_run
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown distillation backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    made = made_by(model, tokenizer, max_new_tokens, temperature)
+    check_resumable(out, made)
     shards = Shards(out, rows_per_shard)
-    todo = [p for p in prompts if p.id not in shards.done]
-    # Similar lengths together: less left padding per batch. The order is fixed by the prompt list.
+    todo = [p for p in prompts if p.id not in shards.done and p.id not in skip_ids]
+    # Similar lengths together: less padding per batch. The order is fixed by the prompt list.
     encoded = {p.id: chat_prompt_ids(tokenizer, p.text) for p in todo}
     todo.sort(key=lambda p: len(encoded[p.id]))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
     eos_ids = eos if isinstance(eos, list) else [eos]
     new_tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(total=len(todo), desc="distill", unit="row", dynamic_ncols=True)
-    for batch in _batches(todo, batch_size):
+    bar = tqdm(total=len(todo), desc="distill", unit="row", dynamic_ncols=True, disable=not progress)
+
+    def written(rows: list[dict]) -> None:
+        nonlocal new_tokens
+        shards.append(rows)  # on disk before anything else is decoded
+        new_tokens += sum(len(r["response_ids"]) for r in rows)
+        bar.update(len(rows))
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+
+    if backend == "batched" and todo:
+        from headstart.runtime.batched import decode_batched
+        from headstart.runtime.kernels import prepack_linears
+
+        if prepack:
+            prepack_linears(model)  # in place, as `Target` does; the hf backend keeps the stock kernels
+
+        requests = [encoded[p.id] for p in todo]
+        seeds = [row_seed(seed, p.id) for p in todo]
+        for i, response in decode_batched(model, requests, max_new_tokens, frozenset(eos_ids), batch_size,
+                                          temperature, seeds):  # fmt: skip
+            written([{"id": todo[i].id, "category": todo[i].category, "prompt_ids": requests[i],
+                      "response_ids": response}])  # fmt: skip
+    for batch in _batches(todo, batch_size) if backend == "hf" else ():
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ids = [encoded[p.id] for p in batch]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
@@ -203,14 +253,32 @@ def distill(
         kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
         torch.manual_seed(seed + len(shards.done))
         gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
-        rows = [{"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": cut_at_eos(row, eos_ids)}
-                for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True)]  # fmt: skip
-        shards.append(rows)  # one write per batch, on disk before the next batch
-        new_tokens += sum(len(r["response_ids"]) for r in rows)
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+        written([{"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": cut_at_eos(row, eos_ids)}
+                 for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True)])  # fmt: skip
     bar.close()
     seconds = time.perf_counter() - t0
-    n_written = len(shards.done)
-    return {"rows": n_written, "new_rows": len(todo), "new_tokens": new_tokens, "seconds": seconds,
+    if todo:
+        record_run(out, made, {**(source or {}), "backend": backend, "new_rows": len(todo), "new_tokens": new_tokens})
+    return {"rows": len(shards.done), "new_rows": len(todo), "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_s": new_tokens / seconds if seconds else 0.0}  # fmt: skip
+
+
+def compare_backends(model, tokenizer, prompts: list[Prompt], out: str | Path, max_new_tokens: int,
+                     batch_size: int) -> dict:  # fmt: skip
+    """Distil `prompts` with transformers' `generate` (stock kernels) and then with the batched loop, into
+    `out`/hf and `out`/batched (empty folders), at T = 0; returns both runs' figures and how many rows agree."""
+    runs = {}
+    for backend in ("hf", "batched"):  # hf first: the batched backend prepacks the model in place
+        folder = Path(out) / backend
+        if any(folder.glob("shard-*.jsonl")):
+            raise ValueError(f"{folder} already holds shards: compare into an empty folder")
+        runs[backend] = distill(model, tokenizer, prompts, folder, max_new_tokens, 0.0, batch_size, backend=backend)
+    rows = {b: {r["id"]: r["response_ids"] for r in _read_rows(Path(out) / b)} for b in runs}
+    same = sum(rows["hf"][i] == rows["batched"].get(i) for i in rows["hf"])
+    ratio = runs["batched"]["tokens_per_s"] / runs["hf"]["tokens_per_s"]
+    return {"hf": runs["hf"], "batched": runs["batched"], "speedup": ratio, "same_rows": same, "rows": len(rows["hf"])}
+
+
+def _read_rows(folder: Path) -> Iterator[dict]:
+    for shard in sorted(folder.glob("shard-*.jsonl")):
+        yield from map(json.loads, shard.read_text().splitlines())

@@ -39,7 +39,8 @@ def held_out_prompts(heads_dir: str | Path, limit: int, data_path: str | None = 
     data = json.loads(config_path.read_text()).get("training", {}).get("data", {})
     if not data:
         raise ValueError(f"{config_path} records no training data: pass --prompts FILE")
-    _, held = split_rows(load_rows(data_path or data["path"], data["max_len"]), data["eval_rows"])
+    folders = [data_path] if data_path else [data["path"], *data.get("sources", [])]
+    _, held = split_rows(load_rows(folders, data["max_len"]), data["eval_rows"])
     return [row.input_ids[: row.n_prompt] for row in held[:limit]]
 
 

@@ -29,6 +29,7 @@ from headstart.heads.checkpoint import build_heads, load_heads, save_heads, targ
 from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
+from headstart.train.sources import answered_ids, check_sources
 from headstart.train.features import FeatureCache, target_features
 from headstart.train.losses import eagle3_loss, eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
@@ -439,7 +440,8 @@ def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
             distill_with_engine(cfg.data.engine, model, tokenizer, prompts, cfg.data.path,
                                 cfg.data.distill_max_new_tokens, concurrency=cfg.data.engine_concurrency)  # fmt: skip
         else:
-            distill(model, tokenizer, prompts, cfg.data.path, max_new_tokens=cfg.data.distill_max_new_tokens)
+            distill(model, tokenizer, prompts, cfg.data.path, max_new_tokens=cfg.data.distill_max_new_tokens,
+                    skip_ids=answered_ids(cfg.data.sources))  # fmt: skip
     accelerator.wait_for_everyone()
 
 
@@ -459,7 +461,9 @@ def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
     set_seed(cfg.seed)
     model, tokenizer = load_target(cfg)
     ensure_data(cfg, model.to(accelerator.device), tokenizer, accelerator)
-    rows = load_rows(cfg.data.path, cfg.data.max_len)
+    folders = [cfg.data.path, *cfg.data.sources]
+    check_sources(folders, model, tokenizer)
+    rows = load_rows(folders, cfg.data.max_len)
     trainer = Trainer(cfg, accelerator, model, tokenizer, rows)
     if accelerator.is_main_process:
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
