@@ -2,8 +2,8 @@
 
 For each family every drafter gives the tokens of the model's own greedy `generate` over a sequence
 longer than twice the sliding window (Mistral: every layer windowed; Gemma 3: windowed and full layers
-mixed), batched distillation decodes as `generate`, and each head kind builds and takes one training step. docs/architecture.md's support table is
-what this test proves.
+mixed), batched distillation decodes as `generate`, and each head kind builds and takes one training
+step. docs/architecture.md's support table is what this test proves.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_greedy_identity_past_the_window(family, drafter):
 def test_batched_distillation_decodes_as_generate(family):
     # several sequences at once, each at its own positions, past the sliding window: the tokens of `generate`
     name, model, _, _ = family
-    prompts = [*PROMPTS, PROMPTS[0][:3] + [30, 31]]
+    prompts = [*PROMPTS, [*PROMPTS[0][:3], 30, 31]]
     got = dict(decode_batched(model, prompts, NEW_TOKENS, frozenset(), slots=2))
     for i, ids in enumerate(prompts):
         want = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]

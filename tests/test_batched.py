@@ -17,7 +17,7 @@ def _requests(n: int = 14, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 30, (n,), generator=g).tolist()
     rows = [PREFIX + torch.randint(11, 300, (k,), generator=g).tolist() for k in lengths]
-    return rows + [PREFIX[:1] + [11], PREFIX + [12]]  # prompts no longer than the shared prefix and its last token
+    return [*rows, [*PREFIX[:1], 11], [*PREFIX, 12]]  # prompts no longer than the shared prefix and its last token
 
 
 def _generate(model, ids: list[int], max_new_tokens: int) -> list[int]:

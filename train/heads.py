@@ -29,10 +29,10 @@ from headstart.heads.checkpoint import build_heads, load_heads, save_heads, targ
 from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
-from headstart.train.sources import answered_ids, check_sources
 from headstart.train.features import FeatureCache, target_features
 from headstart.train.losses import eagle3_loss, eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
+from headstart.train.sources import answered_ids, check_sources
 
 KINDS = ("medusa", "medusa2", "eagle", "eagle3")
 MEDUSA_KINDS = ("medusa", "medusa2")
