@@ -398,7 +398,7 @@ def test_every_checked_in_config_loads_and_shows_its_launch_command():
 def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     """data.features: the cached target features train exactly like running the target every step."""
     from headstart.train.data import load_rows
-    from headstart.train.features import CHUNK, FeatureCache
+    from headstart.train.features import FeatureCache
 
     live = make_cfg(tmp_path, tiny_model_dir, kind)
     cached = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features")})
@@ -420,15 +420,25 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
         cached_loss = b.loss(batch)
         torch.testing.assert_close(cached_loss, live_loss, rtol=1e-5, atol=1e-6)
 
-    # a second run reuses every chunk; a chunk whose rows changed is computed again, the others are kept
+    # a second run reuses every entry; a row whose tokens changed is computed again, the others are kept; new rows
+    # (another source) are the only ones computed; a truncated file is ignored
     cache = FeatureCache(tmp_path / "features", rows, {"target": "tiny"})
-    assert cache.missing() == list(range(cache.n_chunks))  # another target key: nothing matches
+    assert cache.missing() == list(range(len(rows)))  # another target key: nothing matches
     key = json.loads(b.features.key)
     assert FeatureCache(tmp_path / "features", rows, key).missing() == []
-    changed = [r if r.index else train_heads.Row(r.input_ids[:-1], r.n_prompt, 0) for r in rows]
-    assert FeatureCache(tmp_path / "features", changed, key).missing() == [0] and len(rows) <= CHUNK
-    (tmp_path / "features" / "features-00000.safetensors").write_bytes(b"truncated")
-    assert FeatureCache(tmp_path / "features", rows, key).missing() == [0]
+    changed = [r if r.index else train_heads.Row(r.input_ids[:-1], r.n_prompt, 0, r.id) for r in rows]
+    assert FeatureCache(tmp_path / "features", changed, key).missing() == [0]
+    more = [*rows, train_heads.Row([3, 4, 5, 6], 2, len(rows), "new")]
+    grown = FeatureCache(tmp_path / "features", more, key, b.layers)
+    assert grown.missing() == [len(rows)] and grown.build(model, 0, 128) == 1
+    grown.scan()
+    assert grown.missing() == [] and len(list((tmp_path / "features").glob("*.safetensors"))) == 2
+    torch.testing.assert_close(grown.batch([len(rows)], 4)[0].float(),
+                               train_heads.target_features(model, torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4),
+                                                           b.layers)[0].float())  # fmt: skip
+    first = sorted((tmp_path / "features").glob("*.safetensors"), key=lambda p: p.stat().st_mtime)[0]
+    first.write_bytes(b"truncated")
+    assert FeatureCache(tmp_path / "features", more, key).missing() == list(range(len(rows)))
     blocked = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features" / "x" / "y")})
     (tmp_path / "features" / "x").write_text("")  # a file where the cache folder should be
     with pytest.raises(ConfigError, match="is not writable"):

@@ -1,19 +1,23 @@
-"""The frozen target's features for every distilled row, computed once and kept on disk.
+"""The frozen target's features for every distilled row, computed once and read from disk as batches need them.
 
 The heads learn from the target's final features (after its final norm; EAGLE-3: three inner
 layers' hidden states beside them), which never change while the heads train. Running the target
 for them is most of a training step (docs/training.md), so `data.features: DIR` computes them once
 and every further epoch costs only the heads.
 
-Rows are cached in chunks of CHUNK rows, one safetensors file each, written atomically: an
-interrupted pass resumes at its first missing chunk. Each chunk also stores its rows' token ids and
-the target's fingerprint; a chunk that no longer matches (other data, other target) is computed again.
+The cache is keyed by row id, so adding rows or sources computes only the new rows. New rows are saved in
+files of CHUNK rows (safetensors, written atomically: an interrupted pass keeps every finished file), each
+naming its rows' ids and the target (fingerprint, dtype, layers) in its metadata and storing their token ids;
+an entry whose target or token ids no longer match its row is ignored and computed again. Nothing is held in
+memory: a batch reads its rows' features from the memory-mapped files (EAGLE-3's are ~1 MB a row, and 25k
+rows would not fit in this machine's RAM).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import torch
@@ -37,49 +41,49 @@ def target_features(
 
 
 class FeatureCache:
-    """Features of `rows` (indexed by Row.index) under `directory`, for the target described by `key`:
-    the target's hidden states `layers`, concatenated."""
+    """Features of `rows` (indexed by Row.index, keyed on disk by Row.id) under `directory`, for the target
+    described by `key`: the target's hidden states `layers`, concatenated."""
 
     def __init__(self, directory: str | Path, rows: list[Row], key: dict, layers: tuple[int, ...] = (-1,)) -> None:
         if any(row.index != i for i, row in enumerate(rows)):
             raise ValueError("FeatureCache needs the rows as load_rows returns them (row.index = position)")
+        if len({row.id for row in rows}) != len(rows):
+            raise ValueError("FeatureCache needs a distinct id per row (load_rows gives them)")
         self.dir = Path(directory)
         self.rows = rows
         self.layers = tuple(layers)
         self.key = json.dumps(
             {**key, **({} if self.layers == (-1,) else {"layers": list(self.layers)})}, sort_keys=True
         )
-        self.features: list[torch.Tensor] = []  # per row (T_i, H), filled by load()
+        self.where: dict[int, tuple[Path, int]] = {}  # row index -> (file, entry)
+        self._files: dict[Path, object] = {}  # open memory-mapped files
+        self.scan()
 
-    @property
-    def n_chunks(self) -> int:
-        return -(-len(self.rows) // CHUNK)
-
-    def chunk_path(self, c: int) -> Path:
-        return self.dir / f"features-{c:05d}.safetensors"
-
-    def chunk_rows(self, c: int) -> list[Row]:
-        return self.rows[c * CHUNK : (c + 1) * CHUNK]
-
-    def chunk_is_valid(self, c: int) -> bool:
-        """The file exists, was made for this target, and holds exactly these rows' token ids."""
-        path, rows = self.chunk_path(c), self.chunk_rows(c)
-        if not path.is_file():
-            return False
-        try:
-            with safe_open(str(path), "pt") as f:
-                if (f.metadata() or {}).get("key") != self.key or len(f.keys()) != 2 * len(rows):
-                    return False
-                return all(f.get_tensor(f"ids.{i}").tolist() == row.input_ids for i, row in enumerate(rows))
-        except (OSError, SafetensorError):  # truncated or not a safetensors file: compute again
-            return False
+    def scan(self) -> None:
+        """Index the valid entries: files made for this target whose stored token ids equal a row's."""
+        by_id = {row.id: row for row in self.rows}
+        self.where, self._files = {}, {}
+        for path in sorted(self.dir.glob("features-*.safetensors")):
+            try:
+                with safe_open(str(path), "pt") as f:
+                    meta = f.metadata() or {}
+                    if meta.get("key") != self.key:
+                        continue
+                    for j, row_id in enumerate(json.loads(meta["ids"])):
+                        row = by_id.get(row_id)
+                        if row is not None and row.index not in self.where:
+                            if f.get_tensor(f"ids.{j}").tolist() == row.input_ids:
+                                self.where[row.index] = (path, j)
+            except (OSError, SafetensorError, KeyError, ValueError):  # truncated, not safetensors, no ids
+                continue
 
     def missing(self, rank: int = 0, world: int = 1) -> list[int]:
-        """Chunks this process must compute: the invalid ones among every world-th, from `rank`."""
-        return [c for c in range(rank, self.n_chunks, world) if not self.chunk_is_valid(c)]
+        """Rows this process must compute: every world-th row without a valid entry, from `rank`."""
+        return [i for i in range(len(self.rows)) if i not in self.where][rank::world]
 
     def build(self, model, pad_id: int, batch_tokens: int, rank: int = 0, world: int = 1, progress: bool = True) -> int:
-        """Compute and save this process's missing chunks; returns how many were computed."""
+        """Compute and save this process's missing rows, CHUNK per file; returns how many rows were computed.
+        Other processes' files are not re-read here: `scan()` after every process has built."""
         from tqdm import tqdm
 
         todo = self.missing(rank, world)
@@ -87,10 +91,9 @@ class FeatureCache:
             return 0
         self.dir.mkdir(parents=True, exist_ok=True)
         device = next(model.parameters()).device
-        n_rows = sum(len(self.chunk_rows(c)) for c in todo)
-        bar = tqdm(total=n_rows, desc="target features", unit="row", disable=not progress, dynamic_ncols=True)
-        for c in todo:
-            rows = self.chunk_rows(c)
+        bar = tqdm(total=len(todo), desc="target features", unit="row", disable=not progress, dynamic_ncols=True)
+        for start in range(0, len(todo), CHUNK):
+            rows = [self.rows[i] for i in todo[start : start + CHUNK]]
             tensors: dict[str, torch.Tensor] = {}
             for group in make_batches(rows, batch_tokens, seed=0):
                 batch = collate([rows[i] for i in group], pad_id)
@@ -101,27 +104,26 @@ class FeatureCache:
                     tensors[f"features.{i}"] = feats[b, :n].cpu().contiguous()
                     tensors[f"ids.{i}"] = torch.tensor(rows[i].input_ids, dtype=torch.int32)
                 bar.update(len(group))
-            tmp = self.chunk_path(c).with_suffix(".tmp")
-            save_file(tensors, str(tmp), metadata={"key": self.key})
-            os.replace(tmp, self.chunk_path(c))  # a chunk is either whole or absent
+            path = self.dir / f"features-{uuid.uuid4().hex[:16]}.safetensors"  # unique across processes and runs
+            tmp = path.with_suffix(".tmp")
+            save_file(tensors, str(tmp), metadata={"key": self.key, "ids": json.dumps([r.id for r in rows])})
+            os.replace(tmp, path)  # a file is either whole or absent
         bar.close()
         return len(todo)
 
-    def load(self) -> None:
-        """Read every chunk into memory (all chunks must be valid: build() first, on every process)."""
-        features: list[torch.Tensor] = []
-        for c in range(self.n_chunks):
-            if not self.chunk_is_valid(c):
-                raise ValueError(f"feature cache {self.chunk_path(c)} is missing or stale; build it first")
-            with safe_open(str(self.chunk_path(c)), "pt") as f:
-                features += [f.get_tensor(f"features.{i}") for i in range(len(self.chunk_rows(c)))]
-        self.features = features
-
     def batch(self, row_index: list[int], width: int) -> torch.Tensor:
-        """Right-padded features (B, width, H) of these rows; zeros on padding (masked out of every loss)."""
-        first = self.features[row_index[0]]
-        out = torch.zeros(len(row_index), width, first.shape[-1], dtype=first.dtype)
+        """Right-padded features (B, width, H) of these rows, read from disk; zeros on padding (masked out of every
+        loss). Every row must have an entry: build() on every process, then scan()."""
+        out = None
         for b, i in enumerate(row_index):
-            n = min(width, self.features[i].shape[0])
-            out[b, :n] = self.features[i][:n]
+            if i not in self.where:
+                raise ValueError(f"feature cache {self.dir} has no entry for row {self.rows[i].id!r}: build it first")
+            path, j = self.where[i]
+            if path not in self._files:
+                self._files[path] = safe_open(str(path), "pt")  # memory-mapped; kept open for later batches
+            feats = self._files[path].get_tensor(f"features.{j}")
+            if out is None:
+                out = torch.zeros(len(row_index), width, feats.shape[-1], dtype=feats.dtype)
+            n = min(width, feats.shape[0])
+            out[b, :n] = feats[:n]
         return out

@@ -151,8 +151,8 @@ class Trainer:
         built = cache.build(self.model, self.pad_id, self.cfg.data.batch_tokens, acc.process_index,
                             acc.num_processes, progress=acc.is_local_main_process)  # fmt: skip
         acc.wait_for_everyone()
-        cache.load()
-        acc.print(f"headstart: target features of {len(rows)} rows from {cache.dir} ({built} chunks computed now)")
+        cache.scan()
+        acc.print(f"headstart: target features of {len(rows)} rows from {cache.dir} ({built} computed now)")
         return cache
 
     def target_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
