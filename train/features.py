@@ -71,9 +71,9 @@ class FeatureCache:
                         continue
                     for j, row_id in enumerate(json.loads(meta["ids"])):
                         row = by_id.get(row_id)
-                        if row is not None and row.index not in self.where:
-                            if f.get_tensor(f"ids.{j}").tolist() == row.input_ids:
-                                self.where[row.index] = (path, j)
+                        fresh = row is not None and row.index not in self.where
+                        if fresh and f.get_tensor(f"ids.{j}").tolist() == row.input_ids:
+                            self.where[row.index] = (path, j)
             except (OSError, SafetensorError, KeyError, ValueError):  # truncated, not safetensors, no ids
                 continue
 
