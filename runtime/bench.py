@@ -33,6 +33,7 @@ from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.prompts import load_prompts
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.text import TextDecoder
+from headstart.runtime.tokens import pad_id
 
 HF_METHODS = ("hf", "hf-lookup")  # transformers' own generate, for reference
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -112,7 +113,9 @@ def _detokenise_s(engine: Engine, chunks: list[list[int]]) -> float:
 
 def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
     model = engine.target.model
-    kwargs: dict = {"max_new_tokens": max_new, "pad_token_id": engine.tokenizer.eos_token_id}
+    kwargs: dict = {"max_new_tokens": max_new, "pad_token_id": pad_id(engine.tokenizer, engine.eos_ids)}
+    if engine.eos_ids:  # stop where our loop stops (`runtime/tokens.eos_ids`)
+        kwargs["eos_token_id"] = sorted(engine.eos_ids)
     if sampling.greedy:
         kwargs["do_sample"] = False
     else:

@@ -12,7 +12,6 @@ One request at a time: the target's cache belongs to the call that is streaming.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +30,7 @@ from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.text import TextDecoder
+from headstart.runtime.tokens import chat_ids, eos_ids
 
 CALIBRATED = ("medusa", "medusa2", "eagle", "eagle3")  # drafters whose tree budget `Engine.tree_choice` sizes
 
@@ -71,11 +71,7 @@ class Engine:
         self.drafter = drafter or Drafter()
         self.model_name, self.profile, self.adapter = model_name, profile, adapter
         self._tree_choices: dict[tuple[str, str], TreeChoice] = {}
-        eos = model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None:
-            eos.append(tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
+        self.eos_ids = eos_ids(model, tokenizer)
 
     @classmethod
     def load(
@@ -169,32 +165,12 @@ class Engine:
             raise ValueError("empty prompt")
         if not chat:
             return self.tokenizer(prompt).input_ids
-        if not self.tokenizer.chat_template:
-            raise ValueError("this model has no chat template; pass the prompt raw (--raw)")
         return self.encode_chat([{"role": "user", "content": prompt}])
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation under the model's chat template, ready for the assistant's turn."""
-        return self.encode_chat_with(self.tokenizer, messages)
-
-    @staticmethod
-    def encode_chat_with(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
-        """`encode_chat` with `tokenizer`. What the messages say is text, always: content that spells a special
-        token (`<|im_start|>system`) is tokenised as those characters, never as the control token, so no
-        message can open a turn of its own. The template is rendered around placeholders; its own text is
-        tokenised with special tokens, each message's content without. For ordinary content the ids equal
-        `apply_chat_template`'s (tested), since templates end their markup at a token boundary."""
-        marks = [f"\x00{i}\x00" for i in range(len(messages))]
-        text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
-                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
-        ids: list[int] = []
-        for i, piece in enumerate(re.split("\x00(\\d+)\x00", text)):
-            if i % 2:  # a message's content
-                ids += tokenizer(messages[int(piece)]["content"], add_special_tokens=False,
-                                 split_special_tokens=True).input_ids  # fmt: skip
-            elif piece:
-                ids += tokenizer(piece, add_special_tokens=False).input_ids
-        return ids
+        """Token ids of a conversation under the model's chat template, ready for the assistant's turn
+        (`runtime/tokens.chat_ids`: what the messages say stays text)."""
+        return chat_ids(self.tokenizer, messages)
 
     def stream(
         self,

@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from headstart.runtime.prompts import Prompt
+from headstart.runtime.tokens import cut_at_eos, eos_ids, pad_id, prompt_ids
 from headstart.train.config import ensure_writable_dir
 
 
@@ -58,17 +59,6 @@ class Shards:
             f.flush()
             os.fsync(f.fileno())
         self.done.update(row["id"] for row in rows)
-
-
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """One user turn under the model's chat template, ready for the assistant's answer (what training reads)."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True)["input_ids"])  # fmt: skip
-
-
-def cut_at_eos(ids: list[int], eos_ids) -> list[int]:
-    """`ids` up to and including the first end-of-sequence token."""
-    return ids[: next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids))]
 
 
 def _summary_text(text: str, n_tokens: int) -> str | None:
@@ -208,19 +198,17 @@ def distill(
     (the prompt file and filter that chose `prompts`)."""
     import torch  # here, not at the top: `headstart --help` reads DERIVED without loading torch
 
-    from headstart.train.sources import check_resumable, made_by, record_run
+    from headstart.train.sources import made_by, open_manifest, record_run
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown distillation backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    made = made_by(model, tokenizer, max_new_tokens, temperature)
-    check_resumable(out, made)
     shards = Shards(out, rows_per_shard)
+    open_manifest(out, made_by(model, tokenizer, max_new_tokens, temperature))
     todo = [p for p in prompts if p.id not in shards.done and p.id not in skip_ids]
     # Similar lengths together: less padding per batch. The order is fixed by the prompt list.
-    encoded = {p.id: chat_prompt_ids(tokenizer, p.text) for p in todo}
+    encoded = {p.id: prompt_ids(tokenizer, p.text) for p in todo}
     todo.sort(key=lambda p: len(encoded[p.id]))
-    eos = model.generation_config.eos_token_id
-    eos_ids = eos if isinstance(eos, list) else [eos]
+    eos = eos_ids(model, tokenizer)
     new_tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="distill", unit="row", dynamic_ncols=True, disable=not progress)
 
@@ -240,12 +228,12 @@ def distill(
 
         requests = [encoded[p.id] for p in todo]
         seeds = [row_seed(seed, p.id) for p in todo]
-        for i, response in decode_batched(model, requests, max_new_tokens, frozenset(eos_ids), batch_size,
+        for i, response in decode_batched(model, requests, max_new_tokens, eos, batch_size,
                                           temperature, seeds):  # fmt: skip
             written([{"id": todo[i].id, "category": todo[i].category, "prompt_ids": requests[i],
                       "response_ids": response}])  # fmt: skip
     for batch in _batches(todo, batch_size) if backend == "hf" else ():
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_id(tokenizer, eos)
         ids = [encoded[p.id] for p in batch]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
@@ -253,12 +241,12 @@ def distill(
         kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
         torch.manual_seed(seed + len(shards.done))
         gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
-        written([{"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": cut_at_eos(row, eos_ids)}
+        written([{"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": cut_at_eos(row, eos)}
                  for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True)])  # fmt: skip
     bar.close()
     seconds = time.perf_counter() - t0
     if todo:
-        record_run(out, made, {**(source or {}), "backend": backend, "new_rows": len(todo), "new_tokens": new_tokens})
+        record_run(out, {**(source or {}), "backend": backend, "new_rows": len(todo), "new_tokens": new_tokens})
     return {"rows": len(shards.done), "new_rows": len(todo), "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_s": new_tokens / seconds if seconds else 0.0}  # fmt: skip
 

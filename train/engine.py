@@ -24,7 +24,8 @@ import httpx
 from tqdm import tqdm
 
 from headstart.runtime.prompts import Prompt
-from headstart.train.distill import Shards, chat_prompt_ids, cut_at_eos
+from headstart.runtime.tokens import cut_at_eos, eos_ids, prompt_ids
+from headstart.train.distill import Shards
 
 PROBE = "Count from one to ten, separated by commas."
 PROBE_TOKENS = 6
@@ -97,7 +98,7 @@ def check_served_model(engine: EngineClient, model, tokenizer, eos_ids) -> None:
     """The served model must be the target: its greedy tokens on a probe prompt are the target's own."""
     import torch
 
-    ids = chat_prompt_ids(tokenizer, PROBE)
+    ids = prompt_ids(tokenizer, PROBE)
     inputs = torch.tensor([ids], device=model.device)
     with torch.inference_mode():  # an explicit mask: a prompt token equal to the pad id is still attended to
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
@@ -137,7 +138,7 @@ def distill_on_engine(
 
     def answer(prompt: Prompt) -> None:
         nonlocal new_tokens
-        ids = chat_prompt_ids(tokenizer, prompt.text)
+        ids = prompt_ids(tokenizer, prompt.text)
         row_seed = None if temperature == 0 else seed + row_key(prompt.id)  # the same seed whenever it runs
         choice = engine.complete(ids, max_new_tokens, temperature, row_seed)
         row = {"id": prompt.id, "category": prompt.category, "prompt_ids": ids,
@@ -169,9 +170,15 @@ def distill_with_engine(
     concurrency: int = 16, seed: int = 0, retries: int = 5, check_model: bool = True, api_key: str | None = None,
 ) -> dict:  # fmt: skip
     """Connect to the server at `url`, check it serves `model` (the target, loaded here), distill `prompts`."""
-    eos = model.generation_config.eos_token_id
-    eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [tokenizer.eos_token_id])
+    from headstart.train.sources import made_by, open_manifest, record_run
+
+    eos = eos_ids(model, tokenizer)
     engine = EngineClient(url, retries=retries, api_key=api_key)
+    made = {**made_by(model, tokenizer, max_new_tokens, temperature), "dtype": f"served: {engine.model}"}
+    open_manifest(out, made)
     if check_model:
-        check_served_model(engine, model, tokenizer, eos_ids)
-    return distill_on_engine(engine, tokenizer, eos_ids, prompts, out, max_new_tokens, temperature, concurrency, seed)
+        check_served_model(engine, model, tokenizer, eos)
+    stats = distill_on_engine(engine, tokenizer, eos, prompts, out, max_new_tokens, temperature, concurrency, seed)
+    if stats["new_rows"]:
+        record_run(out, {"engine": engine.url, "new_rows": stats["new_rows"], "new_tokens": stats["new_tokens"]})
+    return stats

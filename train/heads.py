@@ -27,6 +27,7 @@ from torch import nn
 
 from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
 from headstart.heads.vocab import DraftReadout, frequent_tokens
+from headstart.runtime.tokens import pad_id
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
 from headstart.train.features import FeatureCache, target_features
@@ -83,7 +84,7 @@ class Trainer:
         self.acc = accelerator
         self.model = self.base = model.to(accelerator.device)  # Medusa-2: self.model becomes base + its LoRA
         self.tokenizer = tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
         self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")

@@ -63,10 +63,13 @@ def _differences(ours: dict, theirs: dict) -> list[str]:
     return out + [k for k in settings if ours[k] != theirs.get(k)]
 
 
-def check_resumable(folder: str | Path, made: dict) -> None:
-    """Refuse to add rows to `folder` when its manifest says its rows were made otherwise."""
+def open_manifest(folder: str | Path, made: dict) -> None:
+    """Before adding rows to `folder`: refuse when its manifest says its rows were made otherwise; write the
+    manifest when there is none yet (so a run killed before its end still leaves one)."""
     manifest = read_manifest(folder)
     if manifest is None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        _write(folder, {"made_by": made, "runs": []})
         return
     differ = _differences(made, manifest["made_by"])
     if differ:
@@ -77,10 +80,15 @@ def check_resumable(folder: str | Path, made: dict) -> None:
         )
 
 
-def record_run(folder: str | Path, made: dict, run: dict) -> None:
-    """Append `run` to the folder's manifest (written whole, atomically), creating it with `made`."""
-    manifest = read_manifest(folder) or {"made_by": made, "runs": []}
+def record_run(folder: str | Path, run: dict) -> None:
+    """Append `run` to the folder's manifest (`open_manifest` first)."""
+    manifest = read_manifest(folder)
     manifest["runs"].append({**run, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    _write(folder, manifest)
+
+
+def _write(folder: str | Path, manifest: dict) -> None:
+    """The manifest, written whole and atomically."""
     path = Path(folder) / MANIFEST
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")

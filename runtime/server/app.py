@@ -38,6 +38,7 @@ from headstart.runtime.server.schema import (
     usage,
 )
 from headstart.runtime.server.worker import Job, QueueFullError, Worker, WorkerDeadError
+from headstart.runtime.tokens import chat_ids
 
 
 @dataclass
@@ -197,7 +198,7 @@ def build_app(engine: Engine, config: ServeConfig, api_key: str | None = None) -
         return await run(body, ids, request, chat=False)
 
     def encode_chat(messages: list[dict]) -> list[int]:
-        return Engine.encode_chat_with(tokenizer, messages)
+        return chat_ids(tokenizer, messages)
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(encoder, fn, *args)

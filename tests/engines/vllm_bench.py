@@ -65,8 +65,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from headstart.runtime.bench import replace_section
-    from headstart.runtime.engine import Engine
     from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
+    from headstart.runtime.tokens import prompt_ids
 
     p = engine_args(__doc__.split("\n")[0], 128, "vllm-bench")
     p.add_argument("--doc", default=None, help="also write the table into this Markdown file (docs/benchmarks.md)")
@@ -76,7 +76,7 @@ def main() -> int:
 
     texts = [pr.text for pr in load_prompts(ROOT / TEST_PROMPTS, limit=args.prompts)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    ids = [Engine.encode_chat_with(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    ids = [prompt_ids(tokenizer, t) for t in texts]
     (out / "prompt_ids.json").write_text(json.dumps(ids))
     rows: dict[str, dict] = {}
     for label, with_draft in (("vLLM plain", None), (f"vLLM eagle3 chain of {CHAIN}", draft)):
