@@ -143,6 +143,36 @@ def test_shape_sampler_draws_siblings_without_replacement_and_records_q():
                 expected[tree.tokens[node]] = 0
 
 
+def test_shape_sampler_draws_follow_the_q_it_records():
+    # 30,000 nodes with two children each, drawn in one call: the first child's token follows q, the pair
+    # (first, second) follows q(a) q(b) / (1 - q(a)); each child's recorded row is what it was drawn from
+    from headstart.runtime.sampling import SamplingParams, target_probs
+    from headstart.runtime.tree import ShapeSampler
+    from helpers.stats import chi_square_pvalue
+
+    params, n = SamplingParams(temperature=0.9, top_p=0.9), 30_000
+    logits = torch.tensor([[1.5, 1.0, 0.5, 0.0, -0.5, -3.0]])
+    q = target_probs(logits, params)[0].double()  # top-p 0.9 leaves the last tokens at 0
+    assert (q == 0).any()
+    grow = ShapeSampler([(0,), (1,)], params, vocab_size=6, generator=torch.Generator().manual_seed(7))
+    grow.add_children([-1] * n, logits.expand(n, -1))  # n independent roots' children in one batched draw
+    tree = grow.tree()
+    first, second = torch.tensor(tree.tokens[0::2]), torch.tensor(tree.tokens[1::2])
+    assert len(first) == len(second) == n and not (first == second).any()
+    assert q[first].min() > 0 and q[second].min() > 0  # never a token q gives 0
+    pair = torch.zeros(6, 6, dtype=torch.float64).index_put_((first, second), torch.ones(n, dtype=torch.float64),
+                                                              accumulate=True)  # fmt: skip
+    joint = q[:, None] * q[None, :] / (1 - q[:, None])
+    joint.fill_diagonal_(0)
+    assert chi_square_pvalue(pair.sum(1), q) > 1e-3
+    assert chi_square_pvalue(pair, joint) > 1e-3
+    for i in (0, 1):  # the rows recorded for node pair i: q, then q without the first draw
+        torch.testing.assert_close(tree.draft_probs[2 * i].double(), q)
+        without = q.clone()
+        without[first[i]] = 0
+        torch.testing.assert_close(tree.draft_probs[2 * i + 1].double(), without / without.sum())
+
+
 def test_shape_sampler_stops_when_q_runs_out():
     from headstart.runtime.sampling import SamplingParams
     from headstart.runtime.tree import ShapeSampler

@@ -63,8 +63,9 @@ def assert_first_three_follow_target(
 ) -> None:
     """`runs` seeded decodes of 3 tokens against the exact joint.
 
-    Fails when the chi-square p-value is below 1e-3: a correct implementation fails with probability
-    0.1 % (the seeds are fixed, so the outcome is reproducible). With `expect_drafts`, also requires that
+    Fails when a sequence of target probability 0 appears at all, or when the chi-square p-value is below
+    1e-3: a correct implementation fails the latter with probability 0.1 % (the seeds are fixed, so the
+    outcome is reproducible). With `expect_drafts`, also requires that
     drafts were accepted in at least a tenth of the runs, so the test exercises speculation.
     """
     joint = first_three_joint(model, prompt, params)
@@ -78,6 +79,8 @@ def assert_first_three_follow_target(
         counts[a, b, c] += 1
         drafted += sum(stats.accepted_per_depth)
     assert drafted > runs // 10 if expect_drafts else drafted == 0
+    impossible = int(counts[joint == 0].sum())  # not pooled into the chi-square's small cells: never allowed
+    assert impossible == 0, f"{impossible} of {runs} runs wrote a sequence the target gives probability 0"
     assert chi_square_pvalue(counts, joint) > 1e-3
 
 
