@@ -14,7 +14,7 @@ from headstart.runtime.prompts import load_prompts
 from headstart.train import heads as train_heads
 from headstart.train.config import ConfigError, load_config
 from headstart.train.data import Row, collate, make_batches
-from headstart.train.distill import derived_prompts, distill
+from headstart.train.distill import derived_prompts
 from headstart.train.losses import eagle_unroll, head_metrics, medusa_labels, unroll_mask
 from helpers.models import ACCELERATE_LAUNCH, WORDS
 from helpers.pinned import fixed_batch_losses, load_pinned
@@ -197,9 +197,8 @@ def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_mod
             train_heads.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
 
 
-def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys):
-    from headstart.runtime.models import load_model
-
+def test_training_prompts_skip_malformed_lines_and_keep_permissive_rows(tmp_path, capsys):
+    # distillation's kill-and-resume is tests/test_sources.py's, for both backends
     prompts_file = tmp_path / "prompts.jsonl"
     rows = [{"id": f"p{i}", "turns": [f"the cat {i % 3}"], "permissive": i % 4 != 0} for i in range(12)]
     lines = [json.dumps(r) for r in rows]
@@ -207,28 +206,7 @@ def test_distill_restart_no_duplicates_no_gaps(tmp_path, tiny_model_dir, capsys)
     prompts_file.write_text("\n".join(lines) + "\n")
     prompts = load_prompts(prompts_file, permissive_only=True, skip_malformed=True)
     assert "skipped 1 malformed line" in capsys.readouterr().err
-    assert len(prompts) == 9
-    model, tok = load_model(str(tiny_model_dir))
-    out = tmp_path / "distilled"
-    calls = {"n": 0}
-    real_generate = model.generate
-
-    def dying_generate(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_generate(*args, **kwargs)
-
-    model.generate = dying_generate
-    with pytest.raises(KeyboardInterrupt):
-        distill(model, tok, prompts, out, max_new_tokens=6, batch_size=2)
-    with (out / "shard-00000.jsonl").open("a") as f:
-        f.write('{"id": "half-writ')  # a kill in the middle of a write
-    model.generate = real_generate
-    stats = distill(model, tok, prompts, out, max_new_tokens=6, batch_size=2)
-    assert stats["new_rows"] == 5
-    written = [json.loads(x)["id"] for p in sorted(out.glob("shard-*.jsonl")) for x in p.read_text().splitlines()]
-    assert sorted(written) == sorted(p.id for p in prompts)
+    assert [p.id for p in prompts] == [f"p{i}" for i in range(12) if i % 4 != 0]
 
 
 def _rows_in_two_shards(path: Path, rows: list[dict], split: int) -> None:
