@@ -28,8 +28,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from headstart.runtime.attention import AttentionLayout
+from headstart.runtime.kvcache import MIN_CAPACITY  # positions a slot holds at first; doubling past it
+from headstart.runtime.tree import additive_mask
 
-MIN_CAPACITY = 256  # positions a slot holds at first; the buffers grow by doubling past it
 PREFILL_TOKENS = 8192  # padded tokens a prefill forward feeds at most
 
 
@@ -105,16 +106,13 @@ def slot_masks(layout: AttentionLayout, positions: torch.Tensor, kv_len: int, dt
     (and > i - window on sliding-window layers); slot row j holds position j, so nothing else is visible."""
     keys = torch.arange(kv_len)[None, None, :]  # (1, 1, kv_len)
     queries = positions[:, :, None]  # (r, q, 1)
-    allowed = keys <= queries
-
-    def additive(allowed: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=dtype)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None].to(device)
-
+    allowed = keys <= queries  # (r, q, kv_len)
     if layout.window is None:
-        return additive(allowed)
-    windowed = additive(allowed & (keys > queries - layout.window))
-    return {"full_attention": additive(allowed), "sliding_attention": windowed} if layout.mixed else windowed
+        return additive_mask(allowed, dtype, device)
+    windowed = additive_mask(allowed & (keys > queries - layout.window), dtype, device)
+    if not layout.mixed:
+        return windowed
+    return {"full_attention": additive_mask(allowed, dtype, device), "sliding_attention": windowed}
 
 
 @dataclass

@@ -88,11 +88,11 @@ def tree_visibility(tree: DraftTree, past_len: int) -> tuple[torch.Tensor, torch
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(q, k) bool -> float 4D mask (1, 1, q, k) on `device`: 0 where allowed, dtype's most negative value
-    elsewhere. The bool mask travels, the float one is built where it is used."""
+    """(q, k) or (B, q, k) bool -> float 4D mask (1 or B, 1, q, k) on `device`: 0 where allowed, dtype's most
+    negative value elsewhere. The bool mask travels, the float one is built where it is used."""
     allowed = allowed.to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None] if mask.dim() == 2 else mask[:, None]
 
 
 def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:
