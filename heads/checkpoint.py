@@ -1,6 +1,6 @@
 """Head checkpoints: a directory with `config.json` and `model.safetensors`, bound to one target.
 
-config.json holds the head kind and sizes, the training config and metrics (free-form dicts), and
+config.json (`HeadsConfig`) holds the head kind and sizes, the training config and metrics, and
 the target's fingerprint: architecture, vocab size, hidden size, layer count, the LoRA adapter
 applied on top (a hash, `runtime/adapters.py`), and hashes of the tokenizer vocabulary and of the
 lm_head (taken at bfloat16 precision, so a float32 and a bfloat16 load of one model agree).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -99,6 +100,50 @@ def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
     raise ValueError(f"unknown head kind '{kind}': choose one of {', '.join(KINDS)}")
 
 
+@dataclass(frozen=True)
+class HeadsConfig:
+    """A heads directory's config.json, typed: read (`read`) and written (`save_heads`) here only."""
+
+    kind: str  # one of KINDS
+    target: dict  # the fingerprint of the target the heads were trained for (`target_fingerprint`)
+    options: dict = field(default_factory=dict)  # `build_heads` keyword arguments (num_heads, layers, draft_vocab)
+    dtype: str = "bfloat16"  # of the saved weights
+    rank_accuracy: list[list[float]] | None = None  # per depth, per rank: what trees are shaped from
+    draft_layer: dict | None = None  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
+    training: dict | None = None  # the training run's resolved config (its `data` section)
+    extra: dict = field(default_factory=dict)  # the rest as written: metrics, steps, data_rows, init_from, ...
+
+    FIELDS = ("kind", "target", "options", "dtype", "rank_accuracy", "draft_layer", "training")
+
+    @classmethod
+    def from_json(cls, config: dict) -> HeadsConfig:
+        return cls(**{k: config[k] for k in cls.FIELDS if k in config},
+                   extra={k: v for k, v in config.items() if k not in cls.FIELDS})  # fmt: skip
+
+    def to_json(self) -> dict:
+        fields = {k: getattr(self, k) for k in self.FIELDS}
+        return {**{k: v for k, v in fields.items() if v is not None}, **self.extra}
+
+    @classmethod
+    def read(cls, directory: str | Path) -> HeadsConfig:
+        """config.json of a heads directory, or a ValueError in one line saying what is wrong."""
+        path = Path(directory) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{directory} is not a heads checkpoint (needs config.json and model.safetensors)")
+        try:
+            config = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if (
+            not isinstance(config, dict)
+            or config.get("kind") not in KINDS
+            or not isinstance(config.get("target"), dict)
+        ):
+            raise ValueError(f"{directory} is not a heads checkpoint (its config.json names no head kind and target; "
+                             "a model directory goes to --model)")  # fmt: skip
+        return cls.from_json(config)
+
+
 def save_heads(
     directory: str | Path, heads: nn.Module, kind: str, options: dict, fingerprint: dict, extra: dict | None = None
 ) -> Path:
@@ -109,26 +154,19 @@ def save_heads(
     dtype = getattr(torch, extra.setdefault("dtype", "bfloat16"))
     state = {k: _cast(v.detach(), dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(state, directory / "model.safetensors")
-    config = {"kind": kind, "options": options, "target": fingerprint, **extra}
     if hasattr(heads, "layer_config"):  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
-        config["draft_layer"] = heads.layer_config()
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
+        extra["draft_layer"] = heads.layer_config()
+    config = HeadsConfig.from_json({"kind": kind, "options": options, "target": fingerprint, **extra})
+    (directory / "config.json").write_text(json.dumps(config.to_json(), indent=2))
     return directory
 
 
-def read_checkpoint(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, weights) of a heads directory, or a ValueError in one line saying what is wrong."""
+def read_checkpoint(directory: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+    """(config, weights) of a heads directory, or a ValueError in one line saying what is wrong."""
     directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.is_file() or not (directory / "model.safetensors").is_file():
+    if not (directory / "model.safetensors").is_file():
         raise ValueError(f"{directory} is not a heads checkpoint (needs config.json and model.safetensors)")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict) or config.get("kind") not in KINDS or not isinstance(config.get("target"), dict):
-        raise ValueError(f"{directory} is not a heads checkpoint (its config.json names no head kind and target; "
-                         "a model directory goes to --model)")  # fmt: skip
+    config = HeadsConfig.read(directory)
     try:
         weights = load_file(directory / "model.safetensors")
     except Exception as e:  # a truncated or foreign file: one line naming it
@@ -138,12 +176,12 @@ def read_checkpoint(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor
 
 def load_heads(
     directory: str | Path, model: nn.Module, tokenizer=None, allow_adapter_mismatch: bool = False
-) -> tuple[nn.Module, dict]:
+) -> tuple[nn.Module, HeadsConfig]:
     """Load heads from `directory` onto the target `model`; returns (module, config)."""
     config, state = read_checkpoint(directory)
     target = target_fingerprint(model, tokenizer)
-    check_fingerprint(config["target"], target, str(directory), allow_adapter_mismatch)
-    heads = build_heads(config["kind"], model, **config.get("options", {}))
+    check_fingerprint(config.target, target, str(directory), allow_adapter_mismatch)
+    heads = build_heads(config.kind, model, **config.options)
     try:
         heads.load_state_dict({k: _cast(v, model.dtype) for k, v in state.items()})
     except RuntimeError as e:  # weights of other shapes: one line naming the file

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from headstart.heads.checkpoint import read_checkpoint
+from headstart.heads.checkpoint import HeadsConfig, read_checkpoint
 from headstart.heads.eagle3 import engine_feature_layers
 
 FORMATS = ("specforge", "speculators")
@@ -37,21 +37,21 @@ class ExportError(ValueError):
     """Heads that cannot be exported faithfully, or an unusable output folder."""
 
 
-def check_exportable(config: dict, weights: dict[str, torch.Tensor]) -> None:
-    kind = config["kind"]
+def check_exportable(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> None:
+    kind = config.kind
     if kind == "eagle":
         raise ExportError("EAGLE-1 heads cannot be exported faithfully: their fc has a bias (vLLM drops it) and "
                           "they predict post-norm features; train an eagle3 head (heads.kind: eagle3)")  # fmt: skip
     if kind != "eagle3":
         why = " (vLLM 0.33 removed Medusa; SGLang never had it)" if kind == "medusa" else ""
         raise ExportError(f"{kind} heads cannot be exported: vLLM and SGLang load EAGLE-3 heads{why}")
-    target = config["target"]
-    layers = tuple(config.get("options", {}).get("layers", ()))
+    target = config.target
+    layers = tuple(config.options.get("layers", ()))
     expected = engine_feature_layers(target["num_layers"])
     if layers != expected:
         raise ExportError(f"this head fuses target layers {list(layers)}; vLLM and SGLang fuse {list(expected)} "
                           f"for a {target['num_layers']}-layer target")  # fmt: skip
-    if not isinstance(config.get("draft_layer"), dict):
+    if not isinstance(config.draft_layer, dict):
         raise ExportError("the heads' config.json lacks the draft layer's config (draft_layer)")
     needed = {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight"}
     if needed - set(weights):
@@ -81,13 +81,13 @@ def engine_weights(weights: dict[str, torch.Tensor], vocab_size: int, layer_pref
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def layer_config(config: dict, weights: dict[str, torch.Tensor]) -> dict:
+def layer_config(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> dict:
     """The draft layer's Llama config for the engines: the one the head was built with (saved by training)."""
-    target = config["target"]
-    llama = dict(config["draft_layer"])
+    target = config.target
+    llama = dict(config.draft_layer)
     llama.update(model_type="llama", num_hidden_layers=1, vocab_size=target["vocab_size"], target_hidden_size=
                  target["hidden_size"], draft_vocab_size=weights["lm_head.weight"].shape[0], tie_word_embeddings=False,
-                 torch_dtype=config.get("dtype", "bfloat16"))  # fmt: skip
+                 torch_dtype=config.dtype)  # fmt: skip
     rope = llama.get("rope_parameters") or {}
     if "rope_theta" in rope:
         llama["rope_theta"] = rope["rope_theta"]  # older readers look for it at the top
@@ -148,7 +148,7 @@ def export_heads(
     heads_dir, out_dir = Path(heads_dir), Path(out_dir)
     config, weights = read_checkpoint(heads_dir)
     check_exportable(config, weights)
-    target = config["target"]
+    target = config.target
     verifier = verifier or (resolve or str)(target.get("name") or "TARGET")
     llama = layer_config(config, weights)
     if fmt == "specforge":

@@ -11,7 +11,6 @@ One request at a time: the target's cache belongs to the call that is streaming.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from headstart.heads.checkpoint import HeadsConfig
 from headstart.runtime.calibrate import TreeChoice, choose_budget, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
@@ -127,10 +127,9 @@ class Engine:
         if self.profile is not None or options.get("budget") is not None or base not in CALIBRATED:
             return None
         heads = heads_dir(base, options.get("heads"), self.model_name)
-        config_file = Path(heads) / "config.json" if heads is not None else None
-        if config_file is None or not config_file.is_file():
+        if heads is None or not (Path(heads) / "config.json").is_file():
             return None
-        accuracy = json.loads(config_file.read_text()).get("rank_accuracy")
+        accuracy = HeadsConfig.read(heads).rank_accuracy
         if not accuracy:
             return None
         key = (base, str(heads))

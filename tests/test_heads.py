@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headstart.heads.checkpoint import HeadsMismatchError, build_heads, load_heads, save_heads, target_fingerprint
+from headstart.heads.checkpoint import (
+    HeadsConfig,
+    HeadsMismatchError,
+    build_heads,
+    load_heads,
+    save_heads,
+    target_fingerprint,
+)
 from headstart.heads.eagle import EagleHead
 from headstart.heads.medusa import MedusaHeads
 from helpers.models import tiny_llama
@@ -54,7 +61,10 @@ def test_save_load_round_trip(model, kind, tmp_path):
     fp = target_fingerprint(model, name="tiny")
     save_heads(tmp_path, heads, kind, {}, fp, {"dtype": "float32", "metrics": {"head_1/top1": 0.5}})
     loaded, config = load_heads(tmp_path, model)
-    assert config["kind"] == kind and config["metrics"]["head_1/top1"] == 0.5
+    assert config.kind == kind and config.extra["metrics"]["head_1/top1"] == 0.5
+    # the typed config is what config.json says, read and written in one place
+    assert HeadsConfig.read(tmp_path) == config and HeadsConfig.from_json(config.to_json()) == config
+    assert config.dtype == "float32" and config.target == fp and config.rank_accuracy is None
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 

@@ -135,7 +135,7 @@ def test_training_reduces_loss_and_saves_heads(tmp_path, tiny_model_dir, kind):
 
     model, tok = load_model(str(tiny_model_dir))
     _, config = load_heads(tmp_path / "out" / "heads", model, tok)
-    assert config["kind"] == kind and config["steps"] == 12 and config["metrics"] == metrics
+    assert config.kind == kind and config.extra["steps"] == 12 and config.extra["metrics"] == metrics
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa2"])  # eagle: feature noise draws from the RNG; medusa2: its LoRA
@@ -188,7 +188,7 @@ def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_mod
     assert lines[0]["step"] == 0 and "acceptance_length" in lines[0]  # the trained heads on this run's held-out rows
     assert [x["step"] for x in lines] == list(range(7))
     _, config = load_heads(tmp_path / "b" / "out" / "heads", model, tokenizer)
-    assert config["init_from"] == {"path": str(trained), "steps": 6, "data_rows": config["data_rows"]}
+    assert config.extra["init_from"] == {"path": str(trained), "steps": 6, "data_rows": config.extra["data_rows"]}
     train_heads.run(make_cfg(tmp_path / "medusa", tiny_model_dir, "medusa"))
     medusa = tmp_path / "medusa" / "out" / "heads"
     for bad, message in [(tmp_path, "is not a heads checkpoint"), (medusa, "other heads")]:

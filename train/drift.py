@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from headstart.heads.checkpoint import HeadsConfig
 from headstart.runtime.engine import Engine
 from headstart.train.medusa2 import self_distillation_kl
 
@@ -33,12 +34,11 @@ def held_out_prompts(heads_dir: str | Path, limit: int, data_path: str | None = 
     """The prompts (token ids) of the rows the heads' training run held out, as it chose them."""
     from headstart.train.data import load_rows, split_rows
 
-    config_path = Path(heads_dir) / "config.json"
-    if not config_path.is_file():
+    if not (Path(heads_dir) / "config.json").is_file():
         raise ValueError(f"{heads_dir} has no config.json of a training run: pass --prompts FILE")
-    data = json.loads(config_path.read_text()).get("training", {}).get("data", {})
+    data = (HeadsConfig.read(heads_dir).training or {}).get("data", {})
     if not data:
-        raise ValueError(f"{config_path} records no training data: pass --prompts FILE")
+        raise ValueError(f"{Path(heads_dir) / 'config.json'} records no training data: pass --prompts FILE")
     folders = [data_path] if data_path else [data["path"], *data.get("sources", [])]
     _, held = split_rows(load_rows(folders, data["max_len"]), data["eval_rows"])
     return [row.input_ids[: row.n_prompt] for row in held[:limit]]

@@ -396,7 +396,7 @@ def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> dic
         raise ConfigError(f"heads.init_from: cannot start from {directory}: {e}") from e
     if unexpected or set(missing) - {"draft_vocab"}:
         raise ConfigError(f"heads.init_from: {directory} holds other heads (missing {missing}, extra {unexpected})")
-    history = {k: config[k] for k in ("steps", "data_rows", "init_from") if k in config}
+    history = {k: config.extra[k] for k in ("steps", "data_rows", "init_from") if k in config.extra}
     return {"path": str(directory), **history}  # recorded in the new heads' config.json
 
 

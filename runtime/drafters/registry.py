@@ -97,8 +97,8 @@ def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
         shipped = f": none are shipped for {ctx.model_name}" if ctx.model_name else ""
         raise ValueError(f"the {kind} drafter needs trained heads (--heads DIR){shipped}")
     module, config = load_heads(heads, ctx.model, ctx.tokenizer, options.allow_adapter_mismatch)
-    if config["kind"] != kind:
-        raise ValueError(f"{heads} holds {config['kind']} heads, not {kind} heads")
+    if config.kind != kind:
+        raise ValueError(f"{heads} holds {config.kind} heads, not {kind} heads")
     return module, config
 
 
@@ -107,7 +107,7 @@ def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Draft
     from headstart.runtime.tree import choose_tree_shape
 
     module, config = _trained(kind, options, ctx)
-    shape = choose_tree_shape(config["rank_accuracy"], options.budget)
+    shape = choose_tree_shape(config.rank_accuracy, options.budget)
     drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, options.draft_vocab)
     drafter.name = kind
     return drafter
@@ -121,7 +121,7 @@ def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:
         EagleHead.check_target(ctx.model)  # before any file is read (an EAGLE-3 layer is Llama's on any target)
     module, config = _trained(kind, options, ctx)
     embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
-    return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.get("rank_accuracy"))
+    return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.rank_accuracy)
 
 
 def _model(options: ModelOptions, ctx: Context) -> Drafter:
