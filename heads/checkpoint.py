@@ -143,6 +143,11 @@ class HeadsConfig:
                              "a model directory goes to --model)")  # fmt: skip
         return cls.from_json(config)
 
+    @classmethod
+    def find(cls, directory: str | Path | None) -> HeadsConfig | None:
+        """`read`, or None where there is no config.json (a bare LoRA adapter, no directory)."""
+        return cls.read(directory) if directory is not None and (Path(directory) / "config.json").is_file() else None
+
 
 def save_heads(
     directory: str | Path, heads: nn.Module, kind: str, options: dict, fingerprint: dict, extra: dict | None = None

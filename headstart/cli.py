@@ -563,8 +563,8 @@ def cmd_drift(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.runtime.engine import Engine
     from headstart.train.drift import held_out_prompts, measure_drift, save_drift, summarize_drift
 
-    heads = Path(args.adapter) / "config.json"  # Medusa-2 heads hold their adapter; a bare adapter names no target
-    trained_for = HeadsConfig.read(args.adapter).target.get("name") if heads.is_file() else None
+    heads = HeadsConfig.find(args.adapter)  # Medusa-2 heads hold their adapter; a bare adapter names no target
+    trained_for = heads.target.get("name") if heads is not None else None
     model = args.model or trained_for or DEFAULT_MODEL
     engine = Engine.load(model, args.dtype, "none", args.device, adapter=args.adapter, merge_adapter=False)
     if args.prompts:

@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,9 +126,8 @@ class Engine:
         if self.profile is not None or options.get("budget") is not None or base not in CALIBRATED:
             return None
         heads = heads_dir(base, options.get("heads"), self.model_name)
-        if heads is None or not (Path(heads) / "config.json").is_file():
-            return None
-        accuracy = HeadsConfig.read(heads).rank_accuracy
+        config = HeadsConfig.find(heads)
+        accuracy = config.rank_accuracy if config is not None else None
         if not accuracy:
             return None
         key = (base, str(heads))

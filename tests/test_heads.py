@@ -65,6 +65,7 @@ def test_save_load_round_trip(model, kind, tmp_path):
     # the typed config is what config.json says, read and written in one place
     assert HeadsConfig.read(tmp_path) == config and HeadsConfig.from_json(config.to_json()) == config
     assert config.dtype == "float32" and config.target == fp and config.rank_accuracy is None
+    assert HeadsConfig.find(tmp_path) == config and HeadsConfig.find(tmp_path / "nowhere") is None
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 

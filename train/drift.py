@@ -34,9 +34,10 @@ def held_out_prompts(heads_dir: str | Path, limit: int, data_path: str | None = 
     """The prompts (token ids) of the rows the heads' training run held out, as it chose them."""
     from headstart.train.data import load_rows, split_rows
 
-    if not (Path(heads_dir) / "config.json").is_file():
+    config = HeadsConfig.find(heads_dir)
+    if config is None:
         raise ValueError(f"{heads_dir} has no config.json of a training run: pass --prompts FILE")
-    data = (HeadsConfig.read(heads_dir).training or {}).get("data", {})
+    data = (config.training or {}).get("data", {})
     if not data:
         raise ValueError(f"{Path(heads_dir) / 'config.json'} records no training data: pass --prompts FILE")
     folders = [data_path] if data_path else [data["path"], *data.get("sources", [])]
