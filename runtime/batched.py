@@ -86,8 +86,7 @@ class SlotCache(DynamicCache):
         super().__init__()
         self.slots, self.device = slots, device
         self.layer_class_to_replicate = lambda: SlotLayer(self)
-        self.first, self.kv_len = 0, 0
-        self.positions = torch.zeros((slots, 1), dtype=torch.long)
+        self.first, self.kv_len, self.positions = 0, 0, None  # set by `feed` before every forward
 
     def feed(self, first: int, positions: torch.Tensor) -> None:
         """The next forward feeds slots first, first + 1, ... the tokens at `positions` (r, q) of their sequences."""

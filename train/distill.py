@@ -33,6 +33,16 @@ from headstart.runtime.tokens import cut_at_eos, eos_ids, pad_id, prompt_ids
 from headstart.train.config import ensure_writable_dir
 
 
+def shard_rows(folder: str | Path) -> Iterator[dict]:
+    """Every row of a distillation folder's shards, in shard order; a last line cut by a kill is skipped."""
+    for shard in sorted(Path(folder).glob("shard-*.jsonl")):
+        for line in shard.read_text().splitlines():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
 class Shards:
     """The JSONL shards of a distillation folder: the ids already answered, and appending new rows.
 
@@ -42,14 +52,11 @@ class Shards:
 
     def __init__(self, out: str | Path, rows_per_shard: int = 1000) -> None:
         self.out, self.rows_per_shard = ensure_writable_dir(out), rows_per_shard
-        self.done: set[str] = set()
         for shard in sorted(self.out.glob("shard-*.jsonl")):
             data = shard.read_bytes()
             if data and not data.endswith(b"\n"):
-                data = data[: data.rfind(b"\n") + 1]
-                shard.write_bytes(data)
-            for line in data.decode().splitlines():
-                self.done.add(json.loads(line)["id"])
+                shard.write_bytes(data[: data.rfind(b"\n") + 1])
+        self.done: set[str] = {row["id"] for row in shard_rows(self.out)}
 
     def append(self, rows: list[dict]) -> None:
         """Rows `{"id", "category", "prompt_ids", "response_ids"}`, written and synced to disk."""
@@ -133,27 +140,21 @@ def derived_prompts(task: str, distilled: str | Path, tokenizer, limit: int) -> 
     """
     spec = DERIVED[task]
     distilled = Path(distilled)
-    shards = sorted(distilled.glob("shard-*.jsonl"))
-    if not shards:
+    if not any(distilled.glob("shard-*.jsonl")):
         raise ValueError(f"no distilled shards (shard-*.jsonl) in {distilled}: run `headstart distill` first")
     prompts: list[Prompt] = []
-    for shard in shards:
-        for line in shard.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a last line cut by a kill
-            made_by = next((name for name in DERIVED if row["id"].startswith(name + ":")), None)
-            if made_by != spec.source or (made_by is None and row["category"] == "code"):
-                continue
-            text = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
-            text = spec.text(text, len(row["response_ids"]))
-            if text is None:
-                continue
-            template = spec.templates[int(hashlib.sha256(row["id"].encode()).hexdigest(), 16) % len(spec.templates)]
-            prompts.append(Prompt(f"{task}:{row['id']}", spec.category, template.format(text=text)))
-            if len(prompts) == limit:
-                return prompts
+    for row in shard_rows(distilled):
+        made_by = next((name for name in DERIVED if row["id"].startswith(name + ":")), None)
+        if made_by != spec.source or (made_by is None and row["category"] == "code"):
+            continue
+        text = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
+        text = spec.text(text, len(row["response_ids"]))
+        if text is None:
+            continue
+        template = spec.templates[int(hashlib.sha256(row["id"].encode()).hexdigest(), 16) % len(spec.templates)]
+        prompts.append(Prompt(f"{task}:{row['id']}", spec.category, template.format(text=text)))
+        if len(prompts) == limit:
+            return prompts
     if not prompts:
         raise ValueError(f"no answer in {distilled} is usable for the {task} task")
     return prompts
@@ -168,8 +169,9 @@ BACKENDS = ("batched", "hf")  # our continuous-batching loop (default); transfor
 
 
 def row_seed(seed: int, row_id: str) -> int:
-    """A row's sampling seed: its answer at T > 0 depends on the run's seed and its id, not on its batch."""
-    return (seed * 1_000_003 + int(hashlib.sha256(row_id.encode()).hexdigest()[:12], 16)) % (1 << 63)
+    """A row's sampling seed (local and engine distillation): its answer at T > 0 depends on the run's seed and
+    its id, not on its batch or on the order rows are answered in."""
+    return seed + int(hashlib.sha256(row_id.encode()).hexdigest()[:12], 16)
 
 
 def distill(
@@ -232,8 +234,8 @@ def distill(
                                           temperature, seeds):  # fmt: skip
             written([{"id": todo[i].id, "category": todo[i].category, "prompt_ids": requests[i],
                       "response_ids": response}])  # fmt: skip
+    pad = pad_id(tokenizer, eos)
     for batch in _batches(todo, batch_size) if backend == "hf" else ():
-        pad = pad_id(tokenizer, eos)
         ids = [encoded[p.id] for p in batch]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
@@ -261,12 +263,7 @@ def compare_backends(model, tokenizer, prompts: list[Prompt], out: str | Path, m
         if any(folder.glob("shard-*.jsonl")):
             raise ValueError(f"{folder} already holds shards: compare into an empty folder")
         runs[backend] = distill(model, tokenizer, prompts, folder, max_new_tokens, 0.0, batch_size, backend=backend)
-    rows = {b: {r["id"]: r["response_ids"] for r in _read_rows(Path(out) / b)} for b in runs}
+    rows = {b: {r["id"]: r["response_ids"] for r in shard_rows(Path(out) / b)} for b in runs}
     same = sum(rows["hf"][i] == rows["batched"].get(i) for i in rows["hf"])
     ratio = runs["batched"]["tokens_per_s"] / runs["hf"]["tokens_per_s"]
     return {"hf": runs["hf"], "batched": runs["batched"], "speedup": ratio, "same_rows": same, "rows": len(rows["hf"])}
-
-
-def _read_rows(folder: Path) -> Iterator[dict]:
-    for shard in sorted(folder.glob("shard-*.jsonl")):
-        yield from map(json.loads, shard.read_text().splitlines())

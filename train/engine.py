@@ -15,7 +15,6 @@ every row written, and the same command resumes it.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 from headstart.runtime.prompts import Prompt
 from headstart.runtime.tokens import cut_at_eos, eos_ids, prompt_ids
-from headstart.train.distill import Shards
+from headstart.train.distill import Shards, row_seed
 
 PROBE = "Count from one to ten, separated by commas."
 PROBE_TOKENS = 6
@@ -112,11 +111,6 @@ def check_served_model(engine: EngineClient, model, tokenizer, eos_ids) -> None:
         )
 
 
-def row_key(row_id: str) -> int:
-    """A stable number per row id (sampling seeds that do not depend on the order rows are answered in)."""
-    return int(hashlib.sha256(row_id.encode()).hexdigest()[:12], 16)
-
-
 def distill_on_engine(
     engine: EngineClient,
     tokenizer,
@@ -139,8 +133,8 @@ def distill_on_engine(
     def answer(prompt: Prompt) -> None:
         nonlocal new_tokens
         ids = prompt_ids(tokenizer, prompt.text)
-        row_seed = None if temperature == 0 else seed + row_key(prompt.id)  # the same seed whenever it runs
-        choice = engine.complete(ids, max_new_tokens, temperature, row_seed)
+        seed_of_row = None if temperature == 0 else row_seed(seed, prompt.id)  # the same seed whenever it runs
+        choice = engine.complete(ids, max_new_tokens, temperature, seed_of_row)
         row = {"id": prompt.id, "category": prompt.category, "prompt_ids": ids,
                "response_ids": response_ids(choice, tokenizer, eos_ids)}  # fmt: skip
         with lock:

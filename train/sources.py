@@ -120,15 +120,9 @@ def check_sources(folders: list[str], model, tokenizer) -> None:
 
 def answered_ids(folders: list[str]) -> frozenset[str]:
     """Ids of the rows in these folders' shards (a last line cut by a kill is ignored)."""
-    ids: set[str] = set()
-    for folder in folders:
-        for shard in sorted(Path(folder).glob("shard-*.jsonl")):
-            for line in shard.read_text().splitlines():
-                try:
-                    ids.add(json.loads(line)["id"])
-                except (json.JSONDecodeError, KeyError):
-                    continue
-    return frozenset(ids)
+    from headstart.train.distill import shard_rows
+
+    return frozenset(row["id"] for folder in folders for row in shard_rows(folder))
 
 
 def _normal(text: str) -> str:
