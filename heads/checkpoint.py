@@ -111,9 +111,10 @@ class HeadsConfig:
     rank_accuracy: list[list[float]] | None = None  # per depth, per rank: what trees are shaped from
     draft_layer: dict | None = None  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
     training: dict | None = None  # the training run's resolved config (its `data` section)
+    vocab_order: str = "frequency"  # of the draft vocabulary's rows; "token_id" (published heads): read out all
     extra: dict = field(default_factory=dict)  # the rest as written: metrics, steps, data_rows, init_from, ...
 
-    FIELDS = ("kind", "target", "options", "dtype", "rank_accuracy", "draft_layer", "training")
+    FIELDS = ("kind", "target", "options", "dtype", "rank_accuracy", "draft_layer", "training", "vocab_order")
 
     @classmethod
     def from_json(cls, config: dict) -> HeadsConfig:
@@ -145,8 +146,14 @@ class HeadsConfig:
 
     @classmethod
     def find(cls, directory: str | Path | None) -> HeadsConfig | None:
-        """`read`, or None where there is no config.json (a bare LoRA adapter, no directory)."""
-        return cls.read(directory) if directory is not None and (Path(directory) / "config.json").is_file() else None
+        """`read`, or None where there is no headstart config.json (no directory, a bare LoRA adapter, heads in a
+        published layout: `load_heads` reads those and says what is wrong with them)."""
+        if directory is None or not (Path(directory) / "config.json").is_file():
+            return None
+        try:
+            return cls.read(directory)
+        except ValueError:
+            return None
 
 
 def save_heads(
@@ -182,10 +189,15 @@ def read_checkpoint(directory: str | Path) -> tuple[HeadsConfig, dict[str, torch
 def load_heads(
     directory: str | Path, model: nn.Module, tokenizer=None, allow_adapter_mismatch: bool = False
 ) -> tuple[nn.Module, HeadsConfig]:
-    """Load heads from `directory` onto the target `model`; returns (module, config)."""
-    config, state = read_checkpoint(directory)
-    target = target_fingerprint(model, tokenizer)
-    check_fingerprint(config.target, target, str(directory), allow_adapter_mismatch)
+    """Load heads from `directory` onto the target `model`; returns (module, config). A directory in a published
+    layout (`heads/published.py`) is read as such and checked against `model`."""
+    from headstart.heads.published import adopt, detect_layout, read_published
+
+    if detect_layout(directory) != "headstart":
+        config, state = adopt(read_published(directory), model, tokenizer, str(directory))
+    else:
+        config, state = read_checkpoint(directory)
+        check_fingerprint(config.target, target_fingerprint(model, tokenizer), str(directory), allow_adapter_mismatch)
     heads = build_heads(config.kind, model, **config.options)
     try:
         heads.load_state_dict({k: _cast(v, model.dtype) for k, v in state.items()})

@@ -29,11 +29,17 @@ class EagleHead(nn.Module):
     feature_layers = (-1,)  # the target hidden states it reads: the last one (after the final norm)
 
     def __init__(
-        self, config: PretrainedConfig, layer_cls: type[nn.Module], rotary_cls: type[nn.Module], draft_vocab: int = 0
+        self,
+        config: PretrainedConfig,
+        layer_cls: type[nn.Module],
+        rotary_cls: type[nn.Module],
+        draft_vocab: int = 0,
+        fc_bias: bool = True,
     ) -> None:
+        """`fc_bias`: False for heads published without one (the EAGLE authors' config `"bias": false`)."""
         super().__init__()
         hidden = config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.layer = layer_cls(config, layer_idx=0)
         # --- change to the target's decoder layer (as EAGLE does) ----------------------------------
         # The fc output feeds attention directly: the first input norm is dropped (post-norm layers such
@@ -63,11 +69,11 @@ class EagleHead(nn.Module):
             raise ValueError(f"EAGLE heads cannot be built for {type(model).__name__}: it lacks {', '.join(missing)}")
 
     @classmethod
-    def for_target(cls, model: nn.Module, draft_vocab: int = 0) -> EagleHead:
+    def for_target(cls, model: nn.Module, draft_vocab: int = 0, fc_bias: bool = True) -> EagleHead:
         """Build from a Hugging Face causal LM: its config, decoder-layer class and rotary embedding class."""
         cls.check_target(model)
         decoder = model.get_decoder()
-        return cls(model.config, type(decoder.layers[0]), type(decoder.rotary_emb), draft_vocab)
+        return cls(model.config, type(decoder.layers[0]), type(decoder.rotary_emb), draft_vocab, fc_bias)
 
     def readout(self, target_lm_head: nn.Module, limit: int | None = None) -> DraftReadout:
         """The target's lm_head over this checkpoint's draft vocabulary (its `limit` most frequent tokens)."""

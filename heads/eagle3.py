@@ -8,6 +8,7 @@ The forward both vLLM and SGLang run (../shared/ENGINES.md), written here once:
     y = s + mlp(post_attention_layernorm(s))
     draft logits = lm_head(norm(y))                          # (B, T, N) over the draft vocabulary
 
+With `norm_before_residual` (heads trained by speculators) the residual is hidden_norm(u) instead of u.
 h_low, h_mid, h_high are the target's residual stream after layers 2, N//2 and N-3 (Hugging Face
 `output_hidden_states[k]`), `feature_layers`. At the next drafting step the head reads its own y in
 place of u (fc is skipped). The draft layer is a Llama layer whatever the target is, sized like the
@@ -48,8 +49,9 @@ def _rope_parameters(config: PretrainedConfig) -> dict:
     return rope
 
 
-def draft_config(target: PretrainedConfig, draft_vocab: int) -> LlamaConfig:
-    """The draft layer's Llama config: the target's layer sizes, attention heads and rotary settings."""
+def draft_config(target: PretrainedConfig, draft_vocab: int, layer: dict | None = None) -> LlamaConfig:
+    """The draft layer's Llama config: the target's layer sizes, attention heads and rotary settings, but for
+    what `layer` sets (a published head's own sizes, `LAYER_OVERRIDES`)."""
     hidden = target.hidden_size
     config = LlamaConfig(
         hidden_size=hidden,
@@ -65,11 +67,18 @@ def draft_config(target: PretrainedConfig, draft_vocab: int) -> LlamaConfig:
         hidden_act="silu",
         tie_word_embeddings=False,
     )
+    for key, value in (layer or {}).items():
+        if key not in LAYER_OVERRIDES:
+            raise ValueError(f"the draft layer's {key} cannot be set (settable: {', '.join(LAYER_OVERRIDES)})")
+        setattr(config, key, value)
     config.draft_vocab_size = draft_vocab or target.vocab_size
     config._attn_implementation = "sdpa"  # takes the float tree masks drafting passes
     return config
 
 
+# What a published head's layer may set differently from the target's layers.
+LAYER_OVERRIDES = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                   "rope_parameters")  # fmt: skip
 LAYER_CONFIG_KEYS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
     "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "vocab_size",
@@ -80,8 +89,9 @@ LAYER_CONFIG_KEYS = (
 class Eagle3DecoderLayer(LlamaDecoderLayer):
     """transformers' LlamaDecoderLayer with EAGLE-3's two inputs (the token embedding and the fused state)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, norm_before_residual: bool = False) -> None:
         super().__init__(config, layer_idx=0)
+        self.norm_before_residual = norm_before_residual
         # --- change to LlamaDecoderLayer ------------------------------------------------------------
         # q/k/v read [input_layernorm(embed); hidden_norm(u)], 2H wide; a second input norm for u.
         hidden, attn = config.hidden_size, self.self_attn
@@ -101,28 +111,39 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         cache=None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2H)
+        residual = normed if self.norm_before_residual else hidden
         attn, _ = self.self_attn(
             hidden_states=x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             use_cache=cache is not None, position_embeddings=position_embeddings,
         )  # fmt: skip
-        s = hidden + attn
+        s = residual + attn
         return s + self.mlp(self.post_attention_layernorm(s))
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, target: PretrainedConfig, draft_vocab: int = 0, layers: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        target: PretrainedConfig,
+        draft_vocab: int = 0,
+        layers: list[int] | None = None,
+        norm_before_residual: bool = False,
+        layer: dict | None = None,
+    ) -> None:
+        """`layers`: the fused target layers (default: the engines'); `norm_before_residual` and `layer` (the
+        draft layer's own sizes, where they differ from the target's) serve heads published elsewhere."""
         super().__init__()
         if draft_vocab > target.vocab_size:
             raise ValueError(f"a draft vocabulary of {draft_vocab} is larger than the target's {target.vocab_size}")
-        self.config = draft_config(target, draft_vocab)
+        self.config = draft_config(target, draft_vocab, layer)
         self.feature_layers = tuple(layers or feature_layers(target.num_hidden_layers))
         if len(self.feature_layers) != 3 or not all(1 <= k <= target.num_hidden_layers for k in self.feature_layers):
             raise ValueError(f"EAGLE-3 fuses three target layers in 1..{target.num_hidden_layers}, "
                              f"got {list(self.feature_layers)}")  # fmt: skip
         hidden = target.hidden_size
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
-        self.midlayer = Eagle3DecoderLayer(self.config)
+        self.midlayer = Eagle3DecoderLayer(self.config, norm_before_residual)
         self.norm = LlamaRMSNorm(hidden, eps=self.config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, self.config.draft_vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(self.config)
@@ -130,8 +151,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
 
     @classmethod
-    def for_target(cls, model: nn.Module, draft_vocab: int = 0, layers: list[int] | None = None) -> Eagle3Head:
-        return cls(model.config, draft_vocab, layers)
+    def for_target(cls, model: nn.Module, **options) -> Eagle3Head:
+        return cls(model.config, **options)
 
     def layer_config(self) -> dict:
         """The draft layer's Llama config as plain JSON values (saved with the heads, read by the export)."""

@@ -10,8 +10,9 @@ README.md with the serving commands. The speculators twin names the layer `layer
 which target it drafts for, so `vllm serve OUT_DIR` finds the target by itself.
 
 Only heads the engines run exactly as headstart does are exported; anything else is refused with
-the reason: other kinds (EAGLE-1's fc bias and post-norm features, Medusa), other fused layers than
-the engines' (2, N//2, N-3), a draft vocabulary larger than the target's. Files are written into a
+the reason: other kinds (EAGLE-1's fc bias and post-norm features, Medusa), a draft vocabulary larger
+than the target's. Fused layers other than the engines' (2, N//2, N-3) are named in the config, in each
+engine's numbering. Files are written into a
 temporary folder beside OUT_DIR and moved into place at the end: a failed export leaves nothing.
 """
 
@@ -46,11 +47,6 @@ def check_exportable(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> N
         why = " (vLLM 0.33 removed Medusa; SGLang never had it)" if kind == "medusa" else ""
         raise ExportError(f"{kind} heads cannot be exported: vLLM and SGLang load EAGLE-3 heads{why}")
     target = config.target
-    layers = tuple(config.options.get("layers", ()))
-    expected = engine_feature_layers(target["num_layers"])
-    if layers != expected:
-        raise ExportError(f"this head fuses target layers {list(layers)}; vLLM and SGLang fuse {list(expected)} "
-                          f"for a {target['num_layers']}-layer target")  # fmt: skip
     if not isinstance(config.draft_layer, dict):
         raise ExportError("the heads' config.json lacks the draft layer's config (draft_layer)")
     needed = {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight"}
@@ -151,8 +147,21 @@ def export_heads(
     target = config.target
     verifier = verifier or (resolve or str)(target.get("name") or "TARGET")
     llama = layer_config(config, weights)
+    norm_before_residual = bool(config.options.get("norm_before_residual", False))  # heads imported from speculators
+    layers = list(config.options.get("layers", ()))
+    # other fused layers than the engines' defaults are named: vLLM reads id k as Hugging Face's hidden state k,
+    # SGLang (SpecForge's eagle_config) as the output of layer k, hidden state k + 1
+    aux = (
+        {}
+        if tuple(layers) == engine_feature_layers(target["num_layers"])
+        else {"eagle_aux_hidden_state_layer_ids": layers}
+    )
     if fmt == "specforge":
-        files_config = {**llama, "architectures": ["LlamaForCausalLMEagle3"]}
+        files_config = {**llama, "architectures": ["LlamaForCausalLMEagle3"], **aux}
+        if aux:
+            files_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers]}
+        if norm_before_residual:
+            files_config["norm_before_residual"] = True
         tensors = engine_weights(weights, target["vocab_size"], "midlayer.")
     else:
         files_config = {
@@ -167,7 +176,8 @@ def export_heads(
             "transformer_layer_config": llama,
             "draft_vocab_size": llama["draft_vocab_size"],
             "target_hidden_size": target["hidden_size"],
-            "norm_before_residual": False,  # vLLM assumes true when the key is missing
+            "norm_before_residual": norm_before_residual,  # vLLM assumes true when the key is missing
+            **aux,
         }
         tensors = engine_weights(weights, target["vocab_size"], "layers.0.")
     tmp = prepare_out_dir(out_dir)

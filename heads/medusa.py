@@ -1,8 +1,9 @@
 """Medusa heads: K residual blocks on the target's final hidden state, read out by an lm_head.
 
 Head k (k = 1..K) at position t predicts token t+k+1: the target's own lm_head already predicts
-t+1 from the same state. Each head is `x + SiLU(W x + b)` with W and b zero-initialised, so an
-untrained head starts as the target's own next-token guess. The readout is the target's frozen
+t+1 from the same state. Each head is `num_layers` blocks `x + SiLU(W x + b)` (one by default; the
+Medusa authors' published heads may hold more) with W and b zero-initialised, so an untrained head
+starts as the target's own next-token guess. The readout is the target's frozen
 lm_head unless `own_lm_head` (then a trainable copy per head, initialised from the target's).
 """
 
@@ -28,16 +29,33 @@ class ResBlock(nn.Module):
 
 class MedusaHeads(nn.Module):
     def __init__(
-        self, hidden_size: int, vocab_size: int, num_heads: int = 4, own_lm_head: bool = False, draft_vocab: int = 0
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int = 4,
+        own_lm_head: bool = False,
+        draft_vocab: int = 0,
+        num_layers: int = 1,
     ) -> None:
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if own_lm_head and draft_vocab:
             raise ValueError("own_lm_head and draft_vocab exclude each other")
         self.num_heads = num_heads
+
         # One module per head: `[ResBlock(h)] * K` would tie them all to one set of weights.
-        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_heads))
+        # One block is kept unwrapped (`blocks.{k}.linear.*`): the names every checkpoint so far was saved under.
+        def head() -> nn.Module:
+            return (
+                ResBlock(hidden_size)
+                if num_layers == 1
+                else nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
+            )
+
+        self.blocks = nn.ModuleList(head() for _ in range(num_heads))
         self.lm_heads = (
             nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
             if own_lm_head

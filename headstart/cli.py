@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -297,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's path or hub name the commands and the speculators config name (default: the "
                     "model the heads were trained for; an embedded name becomes its local directory)")  # fmt: skip
 
+    cv = sub.add_parser("convert", help="write published Medusa / EAGLE / EAGLE-3 heads as headstart heads")
+    cv.add_argument("src", help="the published heads' folder (Medusa authors', EAGLE authors', SpecForge, speculators)")
+    cv.add_argument("out", help="a new (or empty) folder to write")
+    cv.add_argument("--model", default=DEFAULT_MODEL,
+                    help="the target the heads draft for (embedded name, HF model directory or .gguf file): its "
+                    "fingerprint is written with them")  # fmt: skip
+
     ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
     ck.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
     ck.add_argument("--device", default="cuda" if _has_cuda() else "cpu", help="cuda, cpu ...")
@@ -315,7 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
+    return f"headstart: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning  # what a user reads is the message, not the line that warned
     try:
         args = build_parser().parse_args(argv)
         if args.command == "generate":
@@ -343,6 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return str(resolve_model_dir(name)) if name == DEFAULT_MODEL else name
 
             print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_path))
+            return 0
+        if args.command == "convert":
+            from headstart.heads.published import convert_heads
+            from headstart.runtime.models import load_model
+
+            model, tokenizer = load_model(args.model)
+            print(convert_heads(args.src, args.out, model, tokenizer))
             return 0
         if args.command == "check":
             from headstart.runtime.check import run_check

@@ -262,6 +262,16 @@ class ShapeSampler(TreeGrower):
         return DraftTree(list(self.tokens), list(self.parents), rows)
 
 
+# A prior for heads that carry no measured accuracies (published ones): depth d's top-1 guess right with
+# probability 0.6 x 0.7^d (the order of the Medusa paper's first heads), rank r's guess 1/(r+1)^2 as often.
+PRIOR_TOP1, PRIOR_DECAY, PRIOR_RANKS = 0.6, 0.7, 5
+
+
+def prior_rank_accuracy(depths: int) -> list[list[float]]:
+    """`rank_accuracy` (as `choose_tree_shape` takes it) from the prior above, for `depths` heads."""
+    return [[PRIOR_TOP1 * PRIOR_DECAY**d / (r + 1) ** 2 for r in range(PRIOR_RANKS)] for d in range(depths)]
+
+
 def choose_tree_shape(rank_accuracy: list[list[float]], budget: int) -> list[tuple[int, ...]]:
     """The static tree (Medusa's; EAGLE's when sampled) of at most `budget` nodes with the largest expected
     acceptance length.

@@ -148,9 +148,20 @@ def test_export_refuses_in_one_line_and_leaves_nothing(tmp_path, capsys):
     (bad / "config.json").write_text((good / "config.json").read_text())
     (bad / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:100])
     refuse([bad, tmp_path / "o"], "cannot read the heads")
-    shallow, _ = saved_head(tmp_path / "s", model=tiny_llama(vocab_size=64))
-    refuse([shallow, tmp_path / "o"], "vLLM and SGLang fuse [2, 1, -1] for a 2-layer target")
     big = json.loads((good / "config.json").read_text())
     big["target"]["vocab_size"] = 8  # the target's vocabulary smaller than the draft's
     (good / "config.json").write_text(json.dumps(big))
     refuse([good, tmp_path / "o"], "the draft vocabulary (16 tokens) is larger than the target's (8)")
+
+
+def test_other_fused_layers_are_named_in_each_engines_numbering(tmp_path):
+    shallow, _ = saved_head(tmp_path / "s", model=tiny_llama(vocab_size=64))  # 2 layers: fuses (1, 1, 2)
+    config = json.loads((export_heads(shallow, tmp_path / "sf") / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # vLLM: the input of layer k
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang: the output of layer k
+    config = json.loads((export_heads(shallow, tmp_path / "sp", "speculators") / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]
+    eight, _ = saved_head(tmp_path / "e")  # 8 layers: the engines' own (2, 4, 5), not named
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads(
+        (export_heads(eight, tmp_path / "ef") / "config.json").read_text()
+    )

@@ -15,6 +15,7 @@ Builders import their modules when called: reading this table loads no model cod
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,13 +103,23 @@ def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
     return module, config
 
 
+def _readout_limit(options: MedusaOptions | EagleOptions, config) -> int | None:
+    """How many draft tokens to read out: all of them when the rows are not ordered by frequency (published)."""
+    return options.draft_vocab if config.vocab_order == "frequency" else None
+
+
 def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Drafter:
     from headstart.runtime.drafters.medusa import MedusaDrafter
-    from headstart.runtime.tree import choose_tree_shape
+    from headstart.runtime.tree import choose_tree_shape, prior_rank_accuracy
 
     module, config = _trained(kind, options, ctx)
-    shape = choose_tree_shape(config.rank_accuracy, options.budget)
-    drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, options.draft_vocab)
+    accuracy = config.rank_accuracy
+    if not accuracy:  # published heads: no measured accuracies
+        accuracy = prior_rank_accuracy(module.num_heads)
+        warnings.warn(f"the {kind} heads carry no measured per-rank accuracies: their tree comes from a prior "
+                      "(runtime/tree.py, prior_rank_accuracy)", stacklevel=2)  # fmt: skip
+    shape = choose_tree_shape(accuracy, options.budget)
+    drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, _readout_limit(options, config))
     drafter.name = kind
     return drafter
 
@@ -121,6 +132,7 @@ def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:
         EagleHead.check_target(ctx.model)  # before any file is read (an EAGLE-3 layer is Llama's on any target)
     module, config = _trained(kind, options, ctx)
     embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
+    options = dataclasses.replace(options, draft_vocab=_readout_limit(options, config))
     return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.rank_accuracy)
 
 

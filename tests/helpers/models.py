@@ -52,12 +52,14 @@ WORDS = [
 ]
 
 
-def tiny_llama(vocab_size: int = 64, seed: int = 0, init_std: float = 0.02, layers: int = 2) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab_size: int = 64, seed: int = 0, init_std: float = 0.02, layers: int = 2, hidden_size: int = 64
+) -> LlamaForCausalLM:
     """A 2-layer random Llama: hidden 64, 4 heads / 2 KV heads, fp32, sdpa attention, frozen."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,

@@ -1,0 +1,226 @@
+"""Published heads (heads/published.py): each layout, written as its authors publish it, loads onto a tiny target,
+drafts what the equivalent native head drafts, decodes exactly, converts and round-trips; bad folders and
+heads for another target are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from headstart.cli import main as cli
+from headstart.heads.checkpoint import load_heads, read_checkpoint
+from headstart.heads.export import export_heads
+from headstart.heads.published import PublishedHeadsError, convert_heads, detect_layout
+from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.models import load_model
+from helpers.exactness import assert_greedy_identity, random_heads, train_tiny_heads
+from helpers.models import tiny_llama, tiny_tokenizer
+from helpers.published import write_published
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, layers=8).eval()  # 8 layers: the engines' fused layers (2, 4, 5) exist
+
+
+def same_logits(native, loaded, kind: str, model) -> None:
+    """The loaded head's outputs equal the native head's on random inputs (float32, 1e-5)."""
+    H, T = model.config.hidden_size, 5
+    torch.manual_seed(1)
+    lm_head = model.get_output_embeddings()
+    with torch.no_grad():
+        if kind == "medusa":
+            hidden = torch.randn(T, H)
+            torch.testing.assert_close(loaded(hidden, lm_head), native(hidden, lm_head), rtol=1e-5, atol=1e-5)
+            return
+        width = 3 * H if kind == "eagle3" else H
+        feats, embeds, pos = torch.randn(1, T, width), torch.randn(1, T, H), torch.arange(T)[None]
+        a, b = native(feats, embeds, pos), loaded(feats, embeds, pos)
+        ra, rb = native.readout(lm_head), loaded.readout(lm_head)  # (T, N) over each one's draft rows
+        full = [torch.full((T, VOCAB), -1e9).index_copy_(1, r.to_target(torch.arange(r(x[0]).shape[-1])), r(x[0]))
+                for r, x in ((ra, a), (rb, b))]  # fmt: skip
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full[1], full[0], rtol=1e-5, atol=1e-5)
+
+
+CASES = [
+    ("medusa", {"num_heads": 3, "own_lm_head": True}, {}),
+    ("medusa", {"num_heads": 2, "own_lm_head": True, "num_layers": 2}, {"pickle": True}),
+    ("eagle", {}, {}),
+    ("eagle", {"fc_bias": False}, {"pickle": True}),
+    ("eagle3-authors", {"draft_vocab": 16}, {}),
+    ("eagle3-authors", {}, {"d2t": False}),
+    ("eagle3-specforge", {"draft_vocab": 16}, {"aux_ids": [2, 4, 5]}),
+    ("eagle3-speculators", {"draft_vocab": 16, "norm_before_residual": True}, {}),
+    ("eagle3-speculators", {"draft_vocab": 16, "layers": [1, 3, 7]}, {"aux_ids": [1, 3, 7]}),
+]
+
+
+@pytest.mark.parametrize(("layout", "options", "how"), CASES)
+def test_each_layout_loads_and_drafts_what_the_native_head_drafts(tmp_path, target, layout, options, how):
+    kind = layout.split("-")[0]
+    native = random_heads(kind, target, 0.2, **options)
+    if "draft_vocab" in options:
+        native.draft_vocab.copy_(torch.randperm(VOCAB)[: options["draft_vocab"]])
+    src = write_published(native, target, layout, tmp_path / "src", **how)
+    assert detect_layout(src) == layout
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded, config = load_heads(src, target)
+    assert config.kind == kind and config.vocab_order == "token_id"
+    same_logits(native, loaded, kind, target)
+    said = " ".join(str(w.message) for w in caught)
+    if layout == "medusa":  # the published config names the base model on the hub, and says 2 heads; the file is read
+        assert "lmsys/vicuna-7b-v1.3 as their base model" in said
+        assert (f"its file holds {options['num_heads']}" in said) == (options["num_heads"] != 2)
+    out = convert_heads(src, tmp_path / "converted", target)
+    again, _ = load_heads(out, target)
+    same_logits(native, again, kind, target)
+
+
+def test_speculators_heads_without_the_key_put_the_norm_before_the_residual(tmp_path, target):
+    native = random_heads("eagle3", target, 0.2, norm_before_residual=True)
+    src = write_published(native, target, "eagle3-speculators", tmp_path / "src", d2t=False)
+    config = json.loads((src / "config.json").read_text())
+    del config["norm_before_residual"]  # vLLM and speculators read a missing key as true
+    (src / "config.json").write_text(json.dumps(config))
+    loaded, _ = load_heads(src, target)
+    assert loaded.midlayer.norm_before_residual
+    same_logits(native, loaded, "eagle3", target)
+
+
+def test_a_published_layer_of_other_sizes_is_built_as_published(tmp_path, target):
+    native = random_heads("eagle3", target, 0.2, layer={"intermediate_size": 48, "rms_norm_eps": 1e-5})
+    src = write_published(native, target, "eagle3-specforge", tmp_path / "src", d2t=False)
+    config = json.loads((src / "config.json").read_text())
+    config.update(intermediate_size=48, rms_norm_eps=1e-5)
+    (src / "config.json").write_text(json.dumps(config))
+    loaded, heads_config = load_heads(src, target)
+    assert heads_config.options["layer"] == {"intermediate_size": 48, "rms_norm_eps": 1e-5}
+    same_logits(native, loaded, "eagle3", target)
+
+
+# (the EAGLE authors' EAGLE-3 layout names no fused layers: (2, N//2, N-3) do not exist in this 2-layer target)
+@pytest.mark.parametrize("layout", ["medusa", "eagle", "eagle3-specforge", "eagle3-speculators"])
+def test_greedy_identity_with_trained_heads_in_a_published_layout(tmp_path, tiny_model_dir, layout):
+    kind = layout.split("-")[0]
+    heads_dir = train_tiny_heads(
+        tmp_path, tiny_model_dir, kind, **({"heads.draft_vocab": 24} if kind == "eagle3" else {})
+    )
+    model, tokenizer = load_model(str(tiny_model_dir))
+    model.generation_config.eos_token_id = None
+    trained, _ = load_heads(heads_dir, model, tokenizer)
+    how = {"aux_ids": list(trained.feature_layers)} if kind == "eagle3" else {}  # a 2-layer target: clamped layers
+    src = write_published(trained, model, layout, tmp_path / "published", **how)
+    prompts = [[3, 4, 5, 6, 3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
+    for spec in (kind, kind + "+lookup"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Medusa's prior tree, the published config's head count
+            drafter = make_drafter(spec, model, tokenizer, heads=str(src))
+        assert assert_greedy_identity(model, drafter, prompts) > 0, f"no draft accepted with {spec}"
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_export_import_export_keeps_every_tensor(tmp_path, tiny_model_dir, fmt):
+    heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "eagle3", steps=2, **{"heads.draft_vocab": 24})
+    model, tokenizer = load_model(str(tiny_model_dir))
+    first = export_heads(heads_dir, tmp_path / "first", fmt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = convert_heads(first, tmp_path / "converted", model, tokenizer)
+    # the export refuses other fused layers than the engines': give the clamped test target's its own
+    second = export_heads(converted, tmp_path / "second", fmt)
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def test_a_pickle_holding_more_than_tensors_is_refused(tmp_path, target):
+    src = write_published(random_heads("eagle", target, 0.2), target, "eagle", tmp_path / "src", pickle=True)
+    state = torch.load(src / "pytorch_model.bin", weights_only=True)
+    torch.save({**state, "note": PublishedHeadsError("not a tensor")}, src / "pytorch_model.bin")
+    with pytest.raises(PublishedHeadsError, match=r"pytorch_model\.bin is refused: its pickle holds more than tensors"):
+        load_heads(src, target)
+
+
+def test_bad_folders_are_refused_in_one_line(tmp_path, target):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PublishedHeadsError, match="is empty"):
+        detect_layout(empty)
+    two = write_published(random_heads("eagle", target, 0.2), target, "eagle", tmp_path / "two")
+    write_published(random_heads("medusa", target, 0.2, num_heads=2), target, "medusa", tmp_path / "m")
+    (tmp_path / "m" / "medusa_lm_head.safetensors").rename(two / "medusa_lm_head.safetensors")
+    with pytest.raises(PublishedHeadsError, match="two layouts"):
+        detect_layout(two)
+    cut = write_published(random_heads("eagle3", target, 0.2), target, "eagle3-specforge", tmp_path / "cut", d2t=False)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(PublishedHeadsError, match=r"cannot read .*model.safetensors"):
+        load_heads(cut, target)
+    keyless = write_published(random_heads("eagle3", target, 0.2), target, "eagle3-authors", tmp_path / "k", d2t=False)
+    config = json.loads((keyless / "config.json").read_text())
+    del config["draft_vocab_size"]
+    (keyless / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PublishedHeadsError, match=r"config.json lacks 'draft_vocab_size'"):
+        load_heads(keyless, target)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hi")
+    with pytest.raises(PublishedHeadsError, match="holds no heads headstart can read"):
+        detect_layout(tmp_path / "other")
+
+
+def test_heads_for_another_target_are_refused_naming_both_sides(tmp_path, target):
+    other = tiny_llama(vocab_size=VOCAB, layers=4)  # same sizes, fewer layers
+    wide = tiny_llama(vocab_size=VOCAB + 8, layers=8)
+    cases = [
+        (random_heads("eagle3", target, 0.2), "eagle3-specforge", {"aux_ids": [2, 4, 7]}, other,
+         r"fused layers \[2, 4, 7\] in the heads, 4 layers in LlamaForCausalLM"),
+        (random_heads("eagle3", target, 0.2), "eagle3-authors", {"d2t": False}, wide,
+         rf"vocabulary {VOCAB} in the heads, {VOCAB + 8} in LlamaForCausalLM"),
+        (random_heads("medusa", target, 0.2, num_heads=2, own_lm_head=True), "medusa", {}, wide,
+         rf"vocabulary {VOCAB} in the heads, {VOCAB + 8}"),
+        (random_heads("eagle", target, 0.2), "eagle", {"embed": torch.zeros(VOCAB + 8, 16)}, target,
+         r"vocabulary 72 in the heads, 64"),
+    ]  # fmt: skip
+    for i, (heads, layout, how, model, message) in enumerate(cases):
+        src = write_published(heads, target, layout, tmp_path / f"src{i}", **how)
+        with pytest.raises(PublishedHeadsError, match=message):
+            load_heads(src, model)
+    narrow = tiny_llama(vocab_size=VOCAB, layers=8, hidden_size=32)
+    src = write_published(random_heads("eagle", target, 0.2), target, "eagle", tmp_path / "h")
+    with pytest.raises(PublishedHeadsError, match="hidden size"):
+        load_heads(src, narrow)
+
+
+def test_a_stored_embedding_that_differs_is_reported_and_the_targets_used(tmp_path, target):
+    native = random_heads("eagle", target, 0.2)
+    noisy = target.get_input_embeddings().weight.detach().float() + 0.01
+    src = write_published(native, target, "eagle", tmp_path / "src", embed=noisy)
+    with pytest.warns(UserWarning, match=r"stored embedding differs from the target's \(largest difference 0.01"):
+        loaded, _ = load_heads(src, target)
+    same_logits(native, loaded, "eagle", target)
+
+
+def test_convert_on_the_command_line(tmp_path, tiny_model_dir, capsys):
+    model, _ = load_model(str(tiny_model_dir))
+    src = write_published(random_heads("eagle", model, 0.2), model, "eagle", tmp_path / "src")
+    assert cli(["convert", str(src), str(tmp_path / "out"), "--model", str(tiny_model_dir)]) == 0
+    config, weights = read_checkpoint(tmp_path / "out")
+    assert config.kind == "eagle" and config.extra["imported_from"] == "eagle" and "fc.bias" in weights
+    assert cli(["convert", str(src), str(tmp_path / "out"), "--model", str(tiny_model_dir)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    wide = tmp_path / "wide"
+    tiny_llama(vocab_size=VOCAB + 8).save_pretrained(wide)
+    tiny_tokenizer().save_pretrained(wide)
+    capsys.readouterr()
+    assert cli(["convert", str(src), str(tmp_path / "out2"), "--model", str(wide)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("headstart: error") == 1 and "do not fit the target" in err.splitlines()[-1]
