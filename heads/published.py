@@ -150,6 +150,14 @@ def detect_layout(directory: str | Path) -> str:
     return found[0]
 
 
+def heads_kind(directory: str | Path) -> str:
+    """The head kind (medusa, medusa2, eagle, eagle3) of the heads in `directory`, in any layout."""
+    layout = detect_layout(directory)
+    if layout == "headstart":
+        return HeadsConfig.read(directory).kind
+    return "eagle3" if layout.startswith("eagle3") else layout
+
+
 def _need(config: dict, key: str, where: Path):
     if key not in config:
         raise PublishedHeadsError(f"{where / 'config.json'} lacks '{key}', which this layout needs")

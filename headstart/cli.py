@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eagle3-heads", default=None, help="EAGLE-3 head directory (default: shipped)")
     b.add_argument("--medusa2-heads", default=None,
                    help="Medusa-2 heads directory (default: shipped); run on --model + their adapter")  # fmt: skip
+    b.add_argument("--heads", action="append", default=None, metavar="LABEL=DIR",
+                   help="compare heads side by side (repeatable): each method of their kind runs as METHOD@LABEL, "
+                   "beside METHOD@shipped; DIR: headstart heads or a published layout (Medusa, EAGLE, "
+                   "EAGLE-3)")  # fmt: skip
     _add_tree_args(b)
     _add_profile_arg(b)
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
@@ -600,6 +604,19 @@ def cmd_drift(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _labelled_heads(entries: list[str]) -> dict[str, str]:
+    """--heads LABEL=DIR entries as {label: directory}."""
+    labelled = {}
+    for entry in entries:
+        label, eq, directory = entry.partition("=")
+        if not eq or not label or not directory or any(c in label for c in "@,= "):
+            raise UserError(f"--heads takes LABEL=DIR (a label without @ , = or spaces), got {entry!r}")
+        if label in labelled:
+            raise UserError(f"--heads: the label {label} is given twice")
+        labelled[label] = directory
+    return labelled
+
+
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     import platform
     from pathlib import Path
@@ -626,6 +643,12 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     options = _flag_values(args, [k for k in FLAGS if k not in ("heads", "budget")])
     options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads,
                         "medusa2": args.medusa2_heads}  # fmt: skip
+    labelled = _labelled_heads(args.heads or [])
+    methods = bench.label_methods(methods, labelled, args.model)
+    unused = sorted(set(labelled) - {m.partition(bench.LABEL_SEP)[2] for m in methods})
+    if unused:
+        raise UserError(f"--heads {unused[0]}=...: no method in --methods runs heads of its kind")
+    options["labelled_heads"] = labelled
     bench.method_options(methods, options)  # every method and option checked before the model loads
     engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge,
                          not args.no_prepack)  # fmt: skip

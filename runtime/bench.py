@@ -6,6 +6,8 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   hf-lookup  `model.generate(prompt_lookup_num_tokens=10)`
   any drafter spec (`registry.parse_spec`): lookup, medusa, eagle, eagle+lookup, layerskip:N, model:PATH,
   medusa:B (tree budget) ... — one run can compare several variants of one drafter.
+  METHOD@LABEL   METHOD with the heads given as LABEL=DIR (`label_methods`): heads compared side by side,
+  the shipped ones (label `shipped`) beside them.
   Heads trained with a LoRA on the target (medusa2) run on base + that adapter, loaded beside the
   base: their speed compares with plain decoding of the base (merged, the same cost per token), and
   their tokens are not compared with plain's (another model, see `headstart drift`).
@@ -130,15 +132,51 @@ def _run_hf(engine: Engine, lookup: bool, ids: list[int], sampling: SamplingPara
     return Run(out[0, len(ids) :].tolist(), time.perf_counter() - t0)
 
 
+LABEL_SEP = "@"
+SHIPPED_LABEL = "shipped"
+
+
+def method_spec(method: str) -> str:
+    """The drafter spec a bench method runs: `eagle3+lookup@mine` runs `eagle3+lookup` (with the heads `mine`)."""
+    return "none" if method == "plain" else method.partition(LABEL_SEP)[0]
+
+
+def label_methods(methods: list[str], labelled: dict[str, str], model_name: str | None) -> list[str]:
+    """With heads given as {label: directory}: each method whose drafter runs heads of a kind some of them are
+    (`heads.published.heads_kind`) becomes METHOD@LABEL for each such label, and METHOD@shipped first where
+    heads of that kind are shipped for `model_name` (unless a label says `shipped` itself)."""
+    from headstart.heads.published import heads_kind
+    from headstart.runtime.drafters.registry import heads_dir
+
+    kinds = {label: heads_kind(directory) for label, directory in labelled.items()}
+    out = []
+    for m in methods:
+        base = parse_spec(method_spec(m)).base if m not in HF_METHODS else None
+        labels = [label for label, kind in kinds.items() if kind == base]
+        if not labels:
+            out.append(m)
+            continue
+        shipped = SHIPPED_LABEL not in labels and heads_dir(base, None, model_name) is not None
+        out += [f"{m}{LABEL_SEP}{label}" for label in ([SHIPPED_LABEL] if shipped else []) + labels]
+    return out
+
+
 def method_options(methods: list[str], options: dict) -> dict[str, dict]:
     """Each drafter method's share of `options` (None values dropped): an option goes to every method that
-    takes it; `heads` is a {kind: directory} map. An option no method takes is an error naming it."""
+    takes it; `heads` is a {kind: directory} map, `labelled_heads` a {label: directory} map for METHOD@LABEL.
+    An option no method takes is an error naming it."""
     given = {k: v for k, v in options.items() if v is not None}
     heads = given.pop("heads", {}) or {}
-    specs = {m: parse_spec("none" if m == "plain" else m) for m in methods if m not in HF_METHODS}
+    labelled = given.pop("labelled_heads", {}) or {}
+    specs = {m: parse_spec(method_spec(m)) for m in methods if m not in HF_METHODS}
     taken = {m: {k: v for k, v in given.items() if k in option_names(spec)} for m, spec in specs.items()}
     for m, spec in specs.items():
-        if heads.get(spec.base):
+        label = m.partition(LABEL_SEP)[2]
+        if label and label != SHIPPED_LABEL and label not in labelled:
+            raise ValueError(f"method {m}: no heads are labelled {label} (--heads {label}=DIR)")
+        if label in labelled:
+            taken[m]["heads"] = labelled[label]
+        elif heads.get(spec.base):
             taken[m]["heads"] = heads[spec.base]
     unused = [k for k in given if not any(k in t for t in taken.values())]
     if unused:
@@ -175,7 +213,7 @@ def run_bench(
     """
     options = method_options(methods, draft_options)  # every name checked before any loading
     engines = method_engines(engine, options)
-    drafters = {m: engines[m].make_drafter("none" if m == "plain" else m, **o) for m, o in options.items()}
+    drafters = {m: engines[m].make_drafter(method_spec(m), **o) for m, o in options.items()}
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection
@@ -216,7 +254,7 @@ def method_engines(engine: Engine, options: dict[str, dict]) -> dict[str, Engine
     (Medusa-2) the same model + that adapter, loaded once per adapter."""
     engines, loaded = {}, {}
     for method, o in options.items():
-        adapter = heads_adapter("none" if method == "plain" else method, engine.model_name, o.get("heads"))
+        adapter = heads_adapter(method_spec(method), engine.model_name, o.get("heads"))
         if adapter is None or adapter_sha(adapter) == engine.adapter_sha:
             engines[method] = engine
             continue
@@ -313,8 +351,8 @@ def markdown(table: dict) -> str:
         lines += [
             f"\n**T = {temperature}**\n",
             "| category | method | tok/s | speedup vs plain | speedup vs hf | acceptance length "
-            "| draft ms/round | verify ms/round | same tokens as plain |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| acceptance per depth | draft ms/round | verify ms/round | same tokens as plain |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
         ]
         cats = [*sorted(c for t, c in table if t == temperature and c != "overall"), "overall"]
         for cat in cats:
@@ -322,6 +360,7 @@ def markdown(table: dict) -> str:
                 lines.append(
                     f"| {cat} | {method} | {f['tokens_per_s']:.1f} | {fmt(f['speedup_vs_plain'], '.2f')} "
                     f"| {fmt(f['speedup_vs_hf'], '.2f')} | {fmt(f['acceptance_length'], '.2f')} "
+                    f"| {' / '.join(format(a, '.2f') for a in (f['acceptance_per_depth'] or [])[:5]) or '–'} "
                     f"| {fmt(f['draft_ms'], '.2f')} | {fmt(f['verify_ms'], '.1f')} | {fmt(f['same_as_plain'], '')} |"
                 )
     return "\n".join(lines) + "\n"

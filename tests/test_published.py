@@ -224,3 +224,39 @@ def test_convert_on_the_command_line(tmp_path, tiny_model_dir, capsys):
     assert cli(["convert", str(src), str(tmp_path / "out2"), "--model", str(wide)]) == 2
     err = capsys.readouterr().err
     assert err.count("headstart: error") == 1 and "do not fit the target" in err.splitlines()[-1]
+
+
+def test_bench_compares_heads_side_by_side(tmp_path, tiny_model_dir, capsys):
+    heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "eagle")
+    model, tokenizer = load_model(str(tiny_model_dir))
+    trained, _ = load_heads(heads_dir, model, tokenizer)
+    published = write_published(trained, model, "eagle", tmp_path / "published")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "1", "category": "a", "turns": ["one two three one two three"]}) + "\n")
+    out = tmp_path / "bench"
+    args = ["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", str(prompts),
+            "--methods", "plain,eagle,lookup", "--max-new-tokens", "16", "--out", str(out)]  # fmt: skip
+    assert cli([*args, "--heads", f"mine={heads_dir}", "--heads", f"pub={published}"]) == 0
+    table = capsys.readouterr().out
+    rows = {line.split("|")[2].strip(): line for line in table.splitlines() if line.startswith("| overall")}
+    assert list(rows) == ["plain", "eagle@mine", "eagle@pub", "lookup"]
+    records = json.loads(next(out.glob("*.json")).read_text())["records"]
+    by = {r["method"]: r for r in records}
+    # the same weights in two layouts: the same tokens as plain, drafts accepted (the trees differ: the published
+    # copy carries no measured accuracies, so its tree is not sized from them)
+    assert by["eagle@mine"]["same_as_plain"] and by["eagle@pub"]["same_as_plain"]
+    assert max(by["eagle@mine"]["target_passes"], by["eagle@pub"]["target_passes"]) < by["plain"]["target_passes"]
+    assert cli([*args, "--heads", f"m={heads_dir}", "--methods", "plain,lookup"]) == 2
+    assert "no method in --methods runs heads of its kind" in capsys.readouterr().err
+    assert cli([*args, "--heads", f"{heads_dir}"]) == 2
+    assert "--heads takes LABEL=DIR" in capsys.readouterr().err
+
+
+def test_shipped_heads_run_beside_the_labelled_ones():
+    from headstart.heads.checkpoint import shipped_heads
+    from headstart.runtime.bench import label_methods
+
+    mine = shipped_heads("smollm2-135m-instruct", "eagle3")
+    methods = label_methods(["plain", "eagle3+lookup", "eagle"], {"mine": str(mine)}, "smollm2-135m-instruct")
+    assert methods == ["plain", "eagle3+lookup@shipped", "eagle3+lookup@mine", "eagle"]
+    assert label_methods(["eagle3"], {"mine": str(mine)}, "tiny") == ["eagle3@mine"]  # nothing shipped for it
