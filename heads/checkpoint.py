@@ -168,9 +168,16 @@ def save_heads(
     save_file(state, directory / "model.safetensors")
     if hasattr(heads, "layer_config"):  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
         extra["draft_layer"] = heads.layer_config()
-    config = HeadsConfig.from_json({"kind": kind, "options": options, "target": fingerprint, **extra})
-    (directory / "config.json").write_text(json.dumps(config.to_json(), indent=2))
+    save_config(directory, HeadsConfig.from_json({"kind": kind, "options": options, "target": fingerprint, **extra}))
     return directory
+
+
+def save_config(directory: str | Path, config: HeadsConfig) -> None:
+    """Write a heads directory's config.json (atomically: a crash leaves the old one)."""
+    path = Path(directory) / "config.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config.to_json(), indent=2))
+    tmp.replace(path)
 
 
 def read_checkpoint(directory: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:

@@ -8,6 +8,7 @@ A user error gets one line and exit 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -309,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target the heads draft for (embedded name, HF model directory or .gguf file): its "
                     "fingerprint is written with them")  # fmt: skip
 
+    cb = sub.add_parser("calibrate", help="measure Medusa heads' per-rank accuracies on your prompts (their trees)")
+    cb.add_argument("heads", help="a headstart heads directory (`headstart convert` published heads first)")
+    cb.add_argument("--prompts", required=True, help="JSONL prompt file (chat prompts, as serving sees them)")
+    _add_model_args(cb, "float32")
+    cb.add_argument("--limit", type=_at_least_one, default=64, help="prompts to answer (default 64)")
+    cb.add_argument("--max-new-tokens", type=_at_least_one, default=128)
+
     ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
     ck.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
     ck.add_argument("--device", default="cuda" if _has_cuda() else "cpu", help="cuda, cpu ...")
@@ -368,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, tokenizer = load_model(args.model)
             print(convert_heads(args.src, args.out, model, tokenizer))
             return 0
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         if args.command == "check":
             from headstart.runtime.check import run_check
 
@@ -601,6 +611,48 @@ def cmd_drift(args: argparse.Namespace, argv: list[str]) -> int:
     path = save_drift(results, summary, Path(args.out), meta)
     print(json.dumps(summary, indent=2))
     print(f"results: {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from headstart.heads.checkpoint import HeadsConfig, load_heads, save_config
+    from headstart.heads.published import detect_layout
+    from headstart.runtime.calibrate import measure_rank_accuracy
+    from headstart.runtime.engine import Engine
+    from headstart.runtime.tokens import cut_at_eos
+
+    if detect_layout(args.heads) != "headstart":
+        raise UserError(f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then "
+                        "calibrate OUT")  # fmt: skip
+    config = HeadsConfig.read(args.heads)
+    if not config.kind.startswith("medusa"):
+        raise UserError(f"{config.kind} heads need no calibration: their trees grow from the head's own "
+                        "probabilities (calibrate takes Medusa heads)")  # fmt: skip
+    if not Path(args.prompts).is_file():
+        raise UserError(f"prompts file not found: {args.prompts}")
+    prompts = load_prompts(args.prompts)[: args.limit]
+    engine = Engine.load(args.model, args.dtype, "none", args.device)
+    heads, _ = load_heads(args.heads, engine.target.model, engine.tokenizer)
+    sequences = []
+    for prompt in tqdm(prompts, desc="answer", unit="prompt", dynamic_ncols=True):
+        ids = engine.encode(prompt.text)
+        answer = engine.generate(ids, max_new_tokens=args.max_new_tokens).token_ids
+        sequences.append((ids + cut_at_eos(answer, engine.eos_ids), len(ids)))
+    accuracy = measure_rank_accuracy(engine.target.model, heads, sequences)
+    tokens = sum(len(ids) - n for ids, n in sequences)
+    extra = {
+        **config.extra,
+        "calibrated_on": {
+            "prompts": str(args.prompts),
+            "answers": len(sequences),
+            "answer_tokens": tokens,
+            "max_new_tokens": args.max_new_tokens,
+        },
+    }
+    save_config(args.heads, dataclasses.replace(config, rank_accuracy=accuracy, extra=extra))
+    print("top-1 accuracy per head: " + ", ".join(f"{a[0]:.3f}" for a in accuracy))
     return 0
 
 

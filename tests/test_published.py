@@ -260,3 +260,48 @@ def test_shipped_heads_run_beside_the_labelled_ones():
     methods = label_methods(["plain", "eagle3+lookup", "eagle"], {"mine": str(mine)}, "smollm2-135m-instruct")
     assert methods == ["plain", "eagle3+lookup@shipped", "eagle3+lookup@mine", "eagle"]
     assert label_methods(["eagle3"], {"mine": str(mine)}, "tiny") == ["eagle3@mine"]  # nothing shipped for it
+
+
+def test_calibrate_measures_medusa_accuracies_on_your_prompts(tmp_path, tiny_model_dir, capsys):
+    from headstart.heads.checkpoint import HeadsConfig
+    from headstart.runtime.calibrate import measure_rank_accuracy
+
+    heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "medusa")
+    model, tokenizer = load_model(str(tiny_model_dir))
+    trained, _ = load_heads(heads_dir, model, tokenizer)
+    # the measure, against a position-by-position count: head k at t guesses the token at t + k + 1
+    seq = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 4)
+    measured = measure_rank_accuracy(model, trained, [seq], ranks=3)
+    with torch.no_grad():
+        hidden = model(torch.tensor([seq[0]]), output_hidden_states=True).hidden_states[-1][0]
+    readout = trained.readout(model.get_output_embeddings())
+    K, T = trained.num_heads, len(seq[0])
+    positions = range(seq[1] - 1, T - K - 1)
+    for k in range(1, K + 1):
+        counts = [0.0] * 3
+        for t in positions:
+            logits = trained.head_logits(k, trained.features(hidden[t])[k - 1], readout)
+            guesses = readout.to_target(logits.topk(3).indices).tolist()
+            if seq[0][t + k + 1] in guesses:
+                counts[guesses.index(seq[0][t + k + 1])] += 1
+        assert measured[k - 1] == pytest.approx([c / len(positions) for c in counts])
+    # on the command line: published heads are converted first, then calibrated in place
+    published = write_published(trained, model, "medusa", tmp_path / "published")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ["one two three one two", "red blue green"]))
+    args = ["--prompts", str(prompts), "--model", str(tiny_model_dir), "--max-new-tokens", "24"]
+    assert cli(["calibrate", str(published), *args]) == 2
+    assert "convert" in capsys.readouterr().err
+    converted = tmp_path / "converted"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert_heads(published, converted, model, tokenizer)
+    assert HeadsConfig.read(converted).rank_accuracy is None
+    assert cli(["calibrate", str(converted), *args]) == 0
+    config = HeadsConfig.read(converted)
+    assert len(config.rank_accuracy) == K and config.extra["calibrated_on"]["answers"] == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # measured accuracies: no prior tree, no warning
+        make_drafter("medusa", model, tokenizer, heads=str(converted))
+    assert cli(["calibrate", str(train_tiny_heads(tmp_path / "e", tiny_model_dir, "eagle")), *args]) == 2
+    assert "need no calibration" in capsys.readouterr().err

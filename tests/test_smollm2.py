@@ -70,6 +70,37 @@ def test_greedy_identity_with_shipped_heads(engine, kind):
     assert assert_identity(engine, drafter, sample_prompts(2)) > 0
 
 
+@pytest.mark.parametrize(
+    ("kind", "layouts"),
+    [
+        ("medusa", ["medusa"]),
+        ("eagle", ["eagle"]),
+        ("eagle3", ["eagle3-authors", "eagle3-specforge", "eagle3-speculators"]),
+    ],
+)
+def test_shipped_heads_rewritten_in_published_layouts(engine, prompts, tmp_path, kind, layouts):
+    """Each shipped head written as its kind's authors (and SpecForge, speculators) publish heads, loaded from that
+    folder: greedy identity, and acceptance within 10 % of the shipped head's with the same tree options (5 test
+    prompts x 64 tokens, fp32). Medusa's tree comes from the prior there (no measured accuracies travel)."""
+    import warnings
+
+    from headstart.heads.checkpoint import load_heads
+    from helpers.published import write_published
+
+    heads = SHIPPED / f"smollm2-135m-instruct-{kind}"
+    module, config = load_heads(heads, engine.target.model, engine.tokenizer)
+    options = {"budget": 8, "draft_vocab": config.options.get("draft_vocab") or None}  # no calibration, every row
+    shipped = assert_identity(engine, engine.make_drafter(kind, heads=str(heads), **options), prompts)
+    for layout in layouts:
+        how = {"aux_ids": list(module.feature_layers)} if layout in ("eagle3-specforge", "eagle3-speculators") else {}
+        src = write_published(module, engine.target.model, layout, tmp_path / layout, **how)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Medusa's prior tree; the configs name another base model
+            drafter = engine.make_drafter(kind, heads=str(src), **options)
+        accepted = assert_identity(engine, drafter, prompts)
+        assert abs(accepted - shipped) <= 0.1 * shipped, f"{layout}: {accepted} drafts accepted, shipped {shipped}"
+
+
 def test_demo_with_shipped_heads_is_identical(capsys):
     """`headstart demo` (the README's first command), shortened: every answer identical to plain decoding."""
     from headstart.cli import main

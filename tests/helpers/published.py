@@ -59,6 +59,7 @@ def write_published(
                   "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}  # fmt: skip
         name = "medusa_lm_head.pt" if pickle else "medusa_lm_head.safetensors"
     elif layout == "eagle":
+        state.pop("draft_vocab", None)  # EAGLE-1/2 heads read out through the target's whole lm_head
         tensors = {
             ("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v for k, v in state.items()
         }
