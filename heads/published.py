@@ -21,7 +21,8 @@ Layouts, recognised by their files and config.json (`detect_layout`), each with 
 A published draft vocabulary is ordered by token id, not by frequency, so imported heads read out every
 draft token (`HeadsConfig.vocab_order`). Pickled files are read with `torch.load(weights_only=True)`: a pickle
 holding anything but tensors is refused. Published heads carry no per-rank accuracies: Medusa trees then come
-from a prior (`runtime/tree.py`, `prior_rank_accuracy`), EAGLE trees grow dynamically.
+from a prior (`runtime/tree.py`, `prior_rank_accuracy`), EAGLE trees grow dynamically, until `headstart
+calibrate` measures them on the user's prompts.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def detect_layout(directory: str | Path) -> str:
         raise PublishedHeadsError(f"{directory} holds the files of two layouts ({' and '.join(found)}): keep one")
     if not found:
         raise PublishedHeadsError(
-            f"{directory} holds no heads headstart can read: expected headstart's config.json + model.safetensors, "
-            "Medusa's medusa_lm_head.*, or an EAGLE / EAGLE-3 config.json with model.safetensors or pytorch_model.bin"
+            f"{directory} is not a heads checkpoint: it holds no heads headstart can read (expected headstart's config.json + model.safetensors, "
+            "Medusa's medusa_lm_head.*, or an EAGLE / EAGLE-3 config.json with model.safetensors or pytorch_model.bin)"
         )
     return found[0]
 

@@ -310,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target the heads draft for (embedded name, HF model directory or .gguf file): its "
                     "fingerprint is written with them")  # fmt: skip
 
-    cb = sub.add_parser("calibrate", help="measure Medusa heads' per-rank accuracies on your prompts (their trees)")
+    cb = sub.add_parser(
+        "calibrate", help="measure heads' per-rank accuracies on your prompts (what trees are shaped from)"
+    )
     cb.add_argument("heads", help="a headstart heads directory (`headstart convert` published heads first)")
     cb.add_argument("--prompts", required=True, help="JSONL prompt file (chat prompts, as serving sees them)")
     _add_model_args(cb, "float32")
@@ -619,40 +621,35 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from headstart.heads.checkpoint import HeadsConfig, load_heads, save_config
     from headstart.heads.published import detect_layout
-    from headstart.runtime.calibrate import measure_rank_accuracy
+    from headstart.runtime.drafters.options import EagleOptions
     from headstart.runtime.engine import Engine
-    from headstart.runtime.tokens import cut_at_eos
+    from headstart.runtime.tokens import cut_at_eos, pad_id
+    from headstart.train.data import Row
+    from headstart.train.evaluate import MEDUSA_KINDS, measure
 
     if detect_layout(args.heads) != "headstart":
         raise UserError(f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then "
                         "calibrate OUT")  # fmt: skip
     config = HeadsConfig.read(args.heads)
-    if not config.kind.startswith("medusa"):
-        raise UserError(f"{config.kind} heads need no calibration: their trees grow from the head's own "
-                        "probabilities (calibrate takes Medusa heads)")  # fmt: skip
     if not Path(args.prompts).is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
     prompts = load_prompts(args.prompts)[: args.limit]
-    engine = Engine.load(args.model, args.dtype, "none", args.device)
+    adapter = args.heads if config.kind == "medusa2" else None  # Medusa-2 heads draft for base + their adapter
+    engine = Engine.load(args.model, args.dtype, "none", args.device, adapter=adapter)
     heads, _ = load_heads(args.heads, engine.target.model, engine.tokenizer)
-    sequences = []
-    for prompt in tqdm(prompts, desc="answer", unit="prompt", dynamic_ncols=True):
+    rows = []
+    for i, prompt in enumerate(tqdm(prompts, desc="answer", unit="prompt", dynamic_ncols=True)):
         ids = engine.encode(prompt.text)
-        answer = engine.generate(ids, max_new_tokens=args.max_new_tokens).token_ids
-        sequences.append((ids + cut_at_eos(answer, engine.eos_ids), len(ids)))
-    accuracy = measure_rank_accuracy(engine.target.model, heads, sequences)
-    tokens = sum(len(ids) - n for ids, n in sequences)
-    extra = {
-        **config.extra,
-        "calibrated_on": {
-            "prompts": str(args.prompts),
-            "answers": len(sequences),
-            "answer_tokens": tokens,
-            "max_new_tokens": args.max_new_tokens,
-        },
-    }
-    save_config(args.heads, dataclasses.replace(config, rank_accuracy=accuracy, extra=extra))
-    print("top-1 accuracy per head: " + ", ".join(f"{a[0]:.3f}" for a in accuracy))
+        answer = cut_at_eos(engine.generate(ids, max_new_tokens=args.max_new_tokens).token_ids, engine.eos_ids)
+        rows.append(Row(ids + answer, len(ids), i, prompt.id))
+    depths = heads.num_heads if config.kind in MEDUSA_KINDS else EagleOptions().depth
+    metrics, accuracy = measure(config.kind, heads.float(), engine.target.model, rows, depths, pad_id(engine.tokenizer))
+    calibrated = {"prompts": str(args.prompts), "answers": len(rows), "max_new_tokens": args.max_new_tokens,
+                  "metrics": metrics}  # fmt: skip
+    save_config(args.heads, dataclasses.replace(config, rank_accuracy=accuracy,
+                                                extra={**config.extra, "calibrated_on": calibrated}))  # fmt: skip
+    print(f"acceptance length {metrics['acceptance_length']:.2f}; top-1 per depth "
+          + ", ".join(f"{a[0]:.3f}" for a in accuracy))  # fmt: skip
     return 0
 
 

@@ -124,35 +124,3 @@ def choose_budget(
     if best is None:
         raise ValueError("no tree: the heads' rank accuracies are all zero")
     return best
-
-
-RANKS = 10  # per-rank accuracies measured per head (as training measures them)
-
-
-@torch.inference_mode()
-def measure_rank_accuracy(
-    model: torch.nn.Module, heads: torch.nn.Module, sequences: list[tuple[list[int], int]], ranks: int = RANKS
-) -> list[list[float]]:
-    """Medusa heads' per-rank accuracies on the target's own text: `sequences` are (ids, n_prompt), a prompt and
-    the target's greedy answer to it. [k][r] is the share of answer positions t (every head with a label) where
-    head k+1's r-th ranked guess is the token the target wrote at t + k + 2, what `choose_tree_shape` shapes
-    Medusa trees from (the same measure as training's held-out one, on the user's prompts)."""
-    K = heads.num_heads
-    readout = heads.readout(model.get_output_embeddings())
-    hits: list[list[torch.Tensor]] = [[] for _ in range(K)]
-    for ids, n_prompt in sequences:
-        T = len(ids)
-        first, end = max(n_prompt - 1, 0), T - K - 1  # positions t whose tokens t+2 .. t+K+1 are all answer tokens
-        if end <= first:
-            continue
-        x = torch.tensor([ids], device=model.device)
-        hidden = model(input_ids=x, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0, first:end]
-        feats = heads.features(hidden)  # (K, n, H)
-        for k in range(1, K + 1):
-            logits = heads.head_logits(k, feats[k - 1], readout)  # (n, N)
-            top = readout.to_target(logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices)  # (n, ranks) ids
-            labels = x[0, first + k + 1 : end + k + 1]  # (n,)
-            hits[k - 1].append((top == labels[:, None]).float())
-    if not hits[0]:
-        raise ValueError("no answer is long enough to score the heads: raise max_new_tokens or give more prompts")
-    return [torch.cat(h).mean(0).tolist() for h in hits]

@@ -262,28 +262,29 @@ def test_shipped_heads_run_beside_the_labelled_ones():
     assert label_methods(["eagle3"], {"mine": str(mine)}, "tiny") == ["eagle3@mine"]  # nothing shipped for it
 
 
-def test_calibrate_measures_medusa_accuracies_on_your_prompts(tmp_path, tiny_model_dir, capsys):
+def test_calibrate_measures_accuracies_on_your_prompts(tmp_path, tiny_model_dir, capsys):
     from headstart.heads.checkpoint import HeadsConfig
-    from headstart.runtime.calibrate import measure_rank_accuracy
+    from headstart.train.data import Row
+    from headstart.train.evaluate import measure
 
     heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "medusa")
     model, tokenizer = load_model(str(tiny_model_dir))
     trained, _ = load_heads(heads_dir, model, tokenizer)
-    # the measure, against a position-by-position count: head k at t guesses the token at t + k + 1
-    seq = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 4)
-    measured = measure_rank_accuracy(model, trained, [seq], ranks=3)
+    # the measure (training's evaluation), against a position-by-position count: head k at t guesses token t+k+1
+    ids, n_prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 4
+    _, measured = measure("medusa", trained, model, [Row(ids, n_prompt, 0, "a")], trained.num_heads, 0)
     with torch.no_grad():
-        hidden = model(torch.tensor([seq[0]]), output_hidden_states=True).hidden_states[-1][0]
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
     readout = trained.readout(model.get_output_embeddings())
-    K, T = trained.num_heads, len(seq[0])
-    positions = range(seq[1] - 1, T - K - 1)
+    K, T = trained.num_heads, len(ids)
+    positions = range(n_prompt - 2, T - K - 1)  # every head's token (t + 2 .. t + K + 1) is an answer token
     for k in range(1, K + 1):
-        counts = [0.0] * 3
+        counts = [0.0] * len(measured[k - 1])
         for t in positions:
             logits = trained.head_logits(k, trained.features(hidden[t])[k - 1], readout)
-            guesses = readout.to_target(logits.topk(3).indices).tolist()
-            if seq[0][t + k + 1] in guesses:
-                counts[guesses.index(seq[0][t + k + 1])] += 1
+            guesses = readout.to_target(logits.topk(len(counts)).indices).tolist()
+            if ids[t + k + 1] in guesses:
+                counts[guesses.index(ids[t + k + 1])] += 1
         assert measured[k - 1] == pytest.approx([c / len(positions) for c in counts])
     # on the command line: published heads are converted first, then calibrated in place
     published = write_published(trained, model, "medusa", tmp_path / "published")
@@ -303,5 +304,6 @@ def test_calibrate_measures_medusa_accuracies_on_your_prompts(tmp_path, tiny_mod
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # measured accuracies: no prior tree, no warning
         make_drafter("medusa", model, tokenizer, heads=str(converted))
-    assert cli(["calibrate", str(train_tiny_heads(tmp_path / "e", tiny_model_dir, "eagle")), *args]) == 2
-    assert "need no calibration" in capsys.readouterr().err
+    eagle = train_tiny_heads(tmp_path / "e", tiny_model_dir, "eagle")  # EAGLE: its drafting depths, unrolled
+    assert cli(["calibrate", str(eagle), *args]) == 0
+    assert len(HeadsConfig.read(eagle).rank_accuracy) == 5

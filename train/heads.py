@@ -30,16 +30,13 @@ from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.runtime.tokens import pad_id
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
+from headstart.train.evaluate import MEDUSA_KINDS, feature_layers, rank_hits, summarize
 from headstart.train.features import FeatureCache, target_features
-from headstart.train.losses import eagle3_loss, eagle_loss, eagle_unroll, head_metrics, medusa_labels, medusa_loss
+from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
 from headstart.train.sources import answered_ids, check_sources
 
 KINDS = ("medusa", "medusa2", "eagle", "eagle3")
-MEDUSA_KINDS = ("medusa", "medusa2")
-
-EVAL_TOPK = 5
-RANKS = 10  # per-rank accuracies measured for choosing Medusa tree shapes
 
 
 def load_target(cfg: TrainConfig):
@@ -95,7 +92,7 @@ class Trainer:
         if cfg.heads.kind == "eagle3":
             self.options["layers"] = list(heads.feature_layers)
         # the target hidden states the loss reads: EAGLE-3 its three fused layers and the final feature (for p)
-        self.layers = (*heads.feature_layers, -1) if cfg.heads.kind == "eagle3" else (-1,)
+        self.layers = feature_layers(cfg.heads.kind, heads)
         self.features = self.cache_features(rows) if cfg.data.features else None
         if cfg.heads.draft_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
@@ -199,15 +196,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Per-head top-1/top-5, conditional acceptance and simulated acceptance length on held-out rows;
-        Medusa-2 also the adapted target's drift from the original (`drift/kl`: mean KL per token)."""
+        """Per-head top-1/top-5, conditional acceptance and simulated acceptance length on held-out rows
+        (`train/evaluate.py`); Medusa-2 also the adapted target's drift from the original (`drift/kl`: mean KL
+        per token)."""
         module, heads = self.acc.unwrap_model(self.module), self.heads
         module.eval()
         drift = [0.0, 0]  # Medusa-2: sum of per-token KL, tokens
         K = self.cfg.heads.num_heads
-        top1: list[list[torch.Tensor]] = [[] for _ in range(K)]
-        top5: list[list[torch.Tensor]] = [[] for _ in range(K)]
-        ranks: list[list[torch.Tensor]] = [[] for _ in range(K)]
+        hits: list[list[torch.Tensor]] = [[] for _ in range(K)]
         for start in range(0, len(self.eval_rows), 8):
             batch = collate(self.eval_rows[start : start + 8], self.pad_id)
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
@@ -220,45 +216,17 @@ class Trainer:
                     drift = [drift[0] + kl * n, drift[1] + n]
             else:
                 hidden = self.target_features(batch)
-            T = ids.shape[1]
-            n = T - K - 1  # positions t that have labels t+2 .. t+K+1
-            if n <= 0:
-                continue
-            valid = torch.stack([medusa_labels(ids, mask, k)[1][:, :n] for k in range(1, K + 1)]).all(0)
-            for k, logits in enumerate(self.head_logits_for_eval(heads, hidden, ids), 1):
-                labels = medusa_labels(ids, mask, k)[0][:, :n]
-                top = logits[:, :n].topk(min(RANKS, logits.shape[-1]), dim=-1).indices  # a draft vocabulary < RANKS
-                guesses = self.readout.to_target(top)  # (B, n, RANKS) ids
-                hits = guesses == labels[..., None]
-                top1[k - 1].append(hits[..., 0][valid])
-                top5[k - 1].append(hits[..., :EVAL_TOPK].any(-1)[valid])
-                ranks[k - 1].append(hits[valid])
+            found = rank_hits(self.cfg.heads.kind, heads, hidden, ids, mask, K, self.readout_f32, self.embed_f32,
+                              self.readout.to_target)  # fmt: skip
+            for k, h in enumerate(found):
+                hits[k].append(h)
         module.train()
-        if not top1[0]:
+        if not hits[0]:
             return {}
-        self.rank_accuracy = [torch.cat(x).float().mean(0).tolist() for x in ranks]  # [k][i]
-        metrics = head_metrics([torch.cat(x) for x in top1], [torch.cat(x) for x in top5])
+        metrics, self.rank_accuracy = summarize(hits)
         if drift[1]:
             metrics["drift/kl"] = drift[0] / drift[1]
         return metrics
-
-    def head_logits_for_eval(self, heads, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Logits at each position t for the token k+1 places ahead, k = 1..K.
-
-        EAGLE "head k" is the k-th autoregressive step after a root at t, run as drafting runs it
-        (`eagle_unroll`: true features up to the root, then the head's own predictions along the
-        path of true tokens), so the chain metrics simulate drafting with every earlier guess right.
-        """
-        K = self.cfg.heads.num_heads
-        if self.cfg.heads.kind in MEDUSA_KINDS:
-            feats = heads.features(hidden)
-            return [heads.head_logits(k, feats[k - 1], self.readout_f32) for k in range(1, K + 1)]
-        if self.cfg.heads.kind == "eagle3":  # the fused layers in, the head's own readout out
-            H = hidden.shape[-1] // 4
-            outs = eagle_unroll(heads, hidden[:, :-1, : 3 * H], self.embed_f32(ids[:, 1:]), K)
-            return [heads.logits(out[:, k - 1 :]).float() for k, out in enumerate(outs, 1)]
-        outs = eagle_unroll(heads, hidden[:, :-1], self.embed_f32(ids[:, 1:]), K)  # out_k[s]: root s - k + 1
-        return [self.readout_f32(out[:, k - 1 :]) for k, out in enumerate(outs, 1)]  # re-indexed by root
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
