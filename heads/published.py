@@ -145,7 +145,8 @@ def detect_layout(directory: str | Path) -> str:
         raise PublishedHeadsError(f"{directory} holds the files of two layouts ({' and '.join(found)}): keep one")
     if not found:
         raise PublishedHeadsError(
-            f"{directory} is not a heads checkpoint: it holds no heads headstart can read (expected headstart's config.json + model.safetensors, "
+            f"{directory} is not a heads checkpoint: it holds no heads headstart can read (expected headstart's "
+            "config.json + model.safetensors, "
             "Medusa's medusa_lm_head.*, or an EAGLE / EAGLE-3 config.json with model.safetensors or pytorch_model.bin)"
         )
     return found[0]

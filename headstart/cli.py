@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from headstart import __version__
+from headstart.extras import COMMANDS, MissingExtraError, require
 from headstart.runtime.demo import DEFAULT_DRAFTER
 from headstart.runtime.drafters.registry import names, option_names, parse_spec
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
@@ -345,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning  # what a user reads is the message, not the line that warned
     try:
         args = build_parser().parse_args(argv)
+        if args.command in COMMANDS:
+            require(COMMANDS[args.command], f"headstart {args.command}")
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":
@@ -392,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parse_spec(args.drafter)
             return run_demo(args.model, args.dtype, args.device, args.max_new_tokens, args.drafter, args.profile,
                             not args.no_prepack)  # fmt: skip
-    except (UserError, ValueError) as e:
+    except (UserError, ValueError, MissingExtraError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from headstart.extras import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # the CPU build this machine keeps on disk (the Makefile's TORCH)
@@ -20,9 +24,44 @@ def run(*cmd, cwd, timeout=600, check=True) -> subprocess.CompletedProcess:
     return proc
 
 
+def _module(distribution: str) -> str:
+    """The import name of a distribution pyproject.toml lists."""
+    name = re.split(r"[<>=\[ ]", distribution)[0].lower()
+    return {"pyyaml": "yaml"}.get(name, name.replace("-", "_"))
+
+
+def test_extras_agree_with_pyproject_and_with_every_modules_imports():
+    """headstart/extras.py names each extra's modules, pyproject.toml its distributions: the same lists. Every
+    module's top-level imports come from the core or from the extra of its part (runtime/server: serve, train:
+    train); imports of other extras are made inside functions, behind `extras.require`."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for extra, modules in EXTRAS.items():
+        assert sorted(map(_module, extras[extra])) == sorted(modules), extra
+    assert extras["all"] == [f"headstart[{','.join(sorted(EXTRAS, key=list(EXTRAS).index))}]"]
+    core = {_module(d) for d in project["dependencies"]}
+    serve = core | set(EXTRAS["serve"]) | {"starlette", "pydantic"}  # the last two come with fastapi
+    allowed_by_part = {"runtime/server/": serve, "train/": core | set(EXTRAS["train"])}
+    third_party = set().union(*EXTRAS.values()) | serve | {"tokenizers", "numpy"}
+    for path in sorted([*ROOT.glob("headstart/*.py"), *ROOT.glob("heads/*.py"), *ROOT.glob("runtime/**/*.py"),
+                        *ROOT.glob("train/*.py")]):  # fmt: skip
+        rel = str(path.relative_to(ROOT))
+        allowed = next((a for part, a in allowed_by_part.items() if rel.startswith(part)), core)
+        for node in ast.parse(path.read_text()).body:  # top-level statements only
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in third_party or top in allowed, f"{rel} imports {top} at the top"
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    """bin/ of a fresh venv holding the wheel built from this checkout and its dependencies."""
+    """bin/ of a fresh venv holding the wheel built from this checkout, its core dependencies only."""
     tmp = tmp_path_factory.mktemp("wheel")
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", ROOT,
         cwd=tmp)  # fmt: skip
@@ -36,6 +75,18 @@ def venv(tmp_path_factory) -> Path:
 
 def test_wheel_runs_every_subcommand_from_elsewhere(venv, tiny_model_dir, tmp_path):
     elsewhere = tmp_path  # not the checkout: nothing of it is on sys.path
+    # the core install: generate runs; serve, bench and training say which extra they need, in one line
+    out = run(venv / "headstart", "generate", "--model", tiny_model_dir, "--prompt", "the cat sat",
+              "--drafter", "lookup", "--max-new-tokens", "6", "--json", cwd=elsewhere).stdout  # fmt: skip
+    assert '"new_tokens": 6' in out
+    for argv, extra in ((["serve"], "serve"), (["bench"], "bench"), (["distill", "--out", "x"], "train")):
+        proc = run(venv / "headstart", *argv, cwd=elsewhere, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"pip install 'headstart[{extra}]'" in proc.stderr, proc.stderr
+    proc = run(venv / "python", "-m", "headstart.train.heads", "--config", "x.yaml", cwd=elsewhere, check=False)
+    assert proc.returncode == 2 and "pip install 'headstart[train]'" in proc.stderr, proc.stderr
+    wheel = next(p for p in (venv.parent.parent / "dist").glob("headstart-*.whl"))
+    run(venv / "pip", "install", "-q", f"{wheel}[all]", cwd=elsewhere)
     assert "usage: headstart" in run(venv / "headstart", "--help", cwd=elsewhere).stdout
     for sub in ("generate", "bench", "distill", "report", "serve", "loadtest", "demo"):
         run(venv / "headstart", sub, "--help", cwd=elsewhere)

@@ -13,8 +13,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 
 @dataclass
 class TargetConfig:
@@ -147,6 +145,8 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """TrainConfig from a YAML file (optional) and `key.sub=value` overrides (values parsed as YAML)."""
+    import yaml  # pyyaml: the train extra
+
     values: dict = {}
     if path is not None:
         path = Path(path)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from headstart.extras import MissingExtraError, require
 from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
 from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.runtime.tokens import pad_id
@@ -455,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 heads.kind=eagle")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after --config
     try:
+        require("train", "training")
         run(load_config(args.config, args.overrides))
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, MissingExtraError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)
         return 2
     return 0
