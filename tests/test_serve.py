@@ -290,10 +290,10 @@ def test_an_api_key_lets_in_only_its_users(tiny_model_dir, tmp_path, capsys):
 
 
 def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, capsys):
-    import headstart.cli as cli
+    from headstart.commands import serving
 
     monkeypatch.delenv("HEADSTART_API_KEY", raising=False)
-    monkeypatch.setattr(cli, "_load_engine", lambda args: (_ for _ in ()).throw(cli.UserError("stop here")))
+    monkeypatch.setattr(serving, "load_engine", lambda args: (_ for _ in ()).throw(serving.UserError("stop here")))
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert "without an API key" in err and err.count("\n") == 2

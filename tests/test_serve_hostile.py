@@ -201,7 +201,7 @@ def test_cli_bad_files_and_numbers_are_one_line(capsys, tiny_model_dir, tmp_path
 
 
 def test_served_model_name_is_never_a_path():
-    from headstart.cli import served_name
+    from headstart.commands.serving import served_name
 
     assert served_name("/home/me/models/Qwen2-0.5B/", None) == "Qwen2-0.5B"
     assert served_name("weights/model-q4.gguf", None) == "model-q4"

@@ -1,0 +1,157 @@
+"""`headstart bench` and `headstart check`: speed and exactness measured on prompt files."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from headstart.commands.common import (
+    FLAGS,
+    UserError,
+    add_adapter_args,
+    add_model_args,
+    add_prepack_arg,
+    add_profile_arg,
+    add_tree_args,
+    at_least_one,
+    bench_prompts,
+    check_lengths,
+    flag_values,
+    has_cuda,
+    sampling_params,
+    seed_value,
+)
+from headstart.runtime.drafters.registry import names
+from headstart.runtime.models import DEFAULT_MODEL
+from headstart.runtime.prompts import SPEC_BENCH, TEST_PROMPTS
+
+
+def add_parsers(sub) -> None:
+    b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
+    add_model_args(b, "bfloat16")
+    add_prepack_arg(b)
+    add_adapter_args(b)
+    b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
+    b.add_argument("--methods", default="plain,hf,lookup",
+                   help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
+                   f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH")  # fmt: skip
+    b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
+    b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
+    b.add_argument("--eagle3-heads", default=None, help="EAGLE-3 head directory (default: shipped)")
+    b.add_argument("--medusa2-heads", default=None,
+                   help="Medusa-2 heads directory (default: shipped); run on --model + their adapter")  # fmt: skip
+    b.add_argument("--heads", action="append", default=None, metavar="LABEL=DIR",
+                   help="compare heads side by side (repeatable): each method of their kind runs as METHOD@LABEL, "
+                   "beside METHOD@shipped; DIR: headstart heads or a published layout (Medusa, EAGLE, "
+                   "EAGLE-3)")  # fmt: skip
+    add_tree_args(b)
+    add_profile_arg(b)
+    b.add_argument("--temperature", default="0", help="comma list of temperatures")
+    b.add_argument("--categories", default=None, help="comma list (default: all six; mt_bench = the 8 of MT-bench)")
+    b.add_argument("--limit-per-category", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--seed", type=seed_value, default=0)
+    b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
+    b.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each phase of a round (draft, mask, layers, lm_head, accept, commit ...): a table",
+    )
+    b.add_argument(
+        "--breakdown-doc",
+        default=None,
+        metavar="FILE",
+        help="--breakdown: also write the table into FILE (docs/tuning.md), a section per dtype",
+    )
+    b.add_argument("--report-to", default="none", choices=("none", "wandb"),
+                   help="also log the figures to W&B (offline without WANDB_API_KEY; `wandb sync` later)")  # fmt: skip
+    b.set_defaults(run=cmd_bench)
+
+    ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
+    ck.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
+    ck.add_argument("--device", default="cuda" if has_cuda() else "cpu", help="cuda, cpu ...")
+    ck.add_argument("--prompts", default=TEST_PROMPTS, help="JSONL prompt file (default: the project's test prompts)")
+    ck.add_argument("--max-new-tokens", type=at_least_one, default=48)
+    ck.add_argument("--out", default="bench-results", help="folder for the bench records")
+    ck.set_defaults(run=cmd_check)
+
+
+def _labelled_heads(entries: list[str]) -> dict[str, str]:
+    """--heads LABEL=DIR entries as {label: directory}."""
+    labelled = {}
+    for entry in entries:
+        label, eq, directory = entry.partition("=")
+        if not eq or not label or not directory or any(c in label for c in "@,= "):
+            raise UserError(f"--heads takes LABEL=DIR (a label without @ , = or spaces), got {entry!r}")
+        if label in labelled:
+            raise UserError(f"--heads: the label {label} is given twice")
+        labelled[label] = directory
+    return labelled
+
+
+def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    from headstart.runtime import bench
+    from headstart.runtime.engine import Engine
+
+    check_lengths(args)
+    try:
+        temperatures = [float(t) for t in args.temperature.split(",")]
+    except ValueError as e:
+        raise UserError(f"--temperature takes a comma list of numbers: {e}") from e
+    for t in temperatures:
+        sampling_params(t)
+    if args.limit_per_category is not None and args.limit_per_category < 1:
+        raise UserError("--limit-per-category must be >= 1")
+    if args.breakdown_doc and not args.breakdown:
+        raise UserError("--breakdown-doc needs --breakdown")
+    prompts = bench_prompts(args.prompts)
+    categories = set(args.categories.split(",")) if args.categories else None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    options = flag_values(args, [k for k in FLAGS if k not in ("heads", "budget")])
+    options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads,
+                        "medusa2": args.medusa2_heads}  # fmt: skip
+    labelled = _labelled_heads(args.heads or [])
+    methods = bench.label_methods(methods, labelled, args.model)
+    unused = sorted(set(labelled) - {m.partition(bench.LABEL_SEP)[2] for m in methods})
+    if unused:
+        raise UserError(f"--heads {unused[0]}=...: no method in --methods runs heads of its kind")
+    options["labelled_heads"] = labelled
+    bench.method_options(methods, options)  # every method and option checked before the model loads
+    engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge,
+                         not args.no_prepack)  # fmt: skip
+    records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,
+                              categories, args.seed, args.breakdown, **options)  # fmt: skip
+    table = bench.summarize(records)
+    packed = engine.target.packed
+    machine = (
+        f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{args.dtype}, {args.device}, model {args.model}, kernels {packed.kind} (packed in {packed.seconds:.2f} s)"
+    )
+    meta = {"command": "headstart " + " ".join(argv), "machine": machine}
+    json_path, md_path, png_path = bench.save(records, table, Path(args.out), meta)
+    print(bench.markdown(table))
+    print(f"records: {json_path}\ntable: {md_path}\nchart: {png_path}", file=sys.stderr)
+    if args.breakdown:
+        text = (f"`{meta['command']}`\n\n{machine}; ms per round (prefill left out)\n\n"
+                + bench.breakdown_markdown(records))  # fmt: skip
+        print(text)
+        md_path.with_name(md_path.stem + "-breakdown.md").write_text(text)
+        if args.breakdown_doc:
+            bench.replace_section(Path(args.breakdown_doc), f"breakdown {args.dtype}", text)
+    if args.report_to == "wandb":
+        print(bench.report_wandb(table, meta, Path(args.out), run_name=json_path.stem), file=sys.stderr)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.runtime.check import run_check
+
+    if not Path(args.prompts).is_file():
+        raise UserError(f"prompts file not found: {args.prompts} (run from a checkout, or pass --prompts FILE)")
+    return run_check(args.model, args.device, args.prompts, max_new_tokens=args.max_new_tokens, out=args.out)

@@ -1,0 +1,159 @@
+"""What every subcommand shares: the one-line user error, the parser class, argument groups and checks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from headstart.runtime.drafters.registry import names, option_names
+from headstart.runtime.models import DEFAULT_MODEL, DTYPES
+from headstart.runtime.profiles import PROFILES
+from headstart.runtime.prompts import SPEC_BENCH
+
+# CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
+FLAGS = {"heads": "--heads", "budget": "--tree-budget", "depth": "--tree-depth", "top_k": "--tree-top-k",
+         "draft_vocab": "--draft-vocab", "draft_model": "--draft-model", "draft_layers": "--draft-layers",
+         "allow_adapter_mismatch": "--allow-adapter-mismatch"}  # fmt: skip
+
+
+class UserError(Exception):
+    """Bad input: reported as one line, never a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: one line too
+        raise UserError(message)
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
+    p.add_argument("--dtype", default=dtype, choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+
+
+def add_prepack_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prepack", action="store_true",
+                   help="keep the stock linear kernels (default: prepacked on a CPU; docs/tuning.md)")  # fmt: skip
+
+
+def add_adapter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a peft LoRA adapter directory applied on top of --model, merged into its weights")  # fmt: skip
+    p.add_argument("--no-merge", action="store_true",
+                   help="--adapter: keep the adapter live instead of merging it (slower, the same output)")  # fmt: skip
+
+
+def add_profile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None, choices=list(PROFILES),
+                   help=f"drafter defaults tuned for a model and machine (default: the model's own; {DEFAULT_MODEL} "
+                   "uses smollm2-135m-cpu, other models neutral; docs/tuning.md)")  # fmt: skip
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tree-depth", type=at_least_one, default=None, help="eagle, eagle3, model, layerskip: drafting depth"
+    )
+    p.add_argument("--tree-top-k", type=at_least_one, default=None,
+                   help="eagle, eagle3, model, layerskip: nodes expanded per depth and children per node "
+                   "(model, layerskip: 1 = a chain, their default)")  # fmt: skip
+    p.add_argument("--draft-vocab", type=at_least_one, default=None, metavar="N",
+                   help="medusa, eagle, eagle3: read out only the N most frequent draft tokens")  # fmt: skip
+    p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
+    p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
+    p.add_argument("--allow-adapter-mismatch", action="store_true", default=None,
+                   help="run heads trained for another LoRA adapter, or none (exact; acceptance may drop)")  # fmt: skip
+
+
+def add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None:
+    p.add_argument("--drafter", default=default, metavar="SPEC",
+                   help=f"{', '.join(names())}; NAME:VALUE sets its first option (medusa:16, layerskip:8); "
+                   f"+lookup grafts prompt-lookup branches onto the tree (default {default})")  # fmt: skip
+    p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
+    p.add_argument("--tree-budget", type=at_least_one, default=None,
+                   help="nodes per tree (default: the drafter's, from the profile)")  # fmt: skip
+    add_tree_args(p)
+    add_profile_arg(p)
+
+
+def has_cuda() -> bool:
+    """Whether a CUDA device is visible, without importing torch (which help must not load)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" and Path("/dev/nvidiactl").exists()
+
+
+def seed_value(text: str) -> int:
+    """A torch seed: 0 .. 2**63 - 2 (drafters seed their own stream with seed + 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= 2**63 - 2:
+        raise argparse.ArgumentTypeError(f"must be in 0 .. 2**63 - 2, got {value}")
+    return value
+
+
+def at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def flag_values(args: argparse.Namespace, keys) -> dict:
+    """{option: the value of its flag (FLAGS), None where the subcommand has no such flag or it was not given}."""
+    return {key: getattr(args, FLAGS[key][2:].replace("-", "_"), None) for key in keys}
+
+
+def drafter_options(args: argparse.Namespace, spec: str) -> dict:
+    """The drafter flags given on the command line, as options of `spec`; a flag it does not take is an error."""
+    options = {k: v for k, v in flag_values(args, FLAGS).items() if v is not None}
+    refused = [FLAGS[k] for k in options if k not in option_names(spec)]
+    if refused:
+        raise UserError(f"--drafter {spec} does not take {', '.join(refused)}")
+    return options
+
+
+def load_engine(args: argparse.Namespace):
+    from headstart.runtime.engine import Engine
+
+    options = drafter_options(args, args.drafter)  # checked before the model loads
+    return Engine.load(args.model, args.dtype, args.drafter, args.device, args.profile, args.adapter,
+                       not args.no_merge, not args.no_prepack, **options)  # fmt: skip
+
+
+def sampling_params(temperature: float, top_k: int = 0, top_p: float = 1.0):
+    from headstart.runtime.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature, top_k, top_p)
+    except ValueError as e:
+        raise UserError(str(e).replace("top_", "--top-").replace("temperature", "--temperature")) from e
+
+
+def check_lengths(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+
+
+def bench_prompts(path: str | None) -> str:
+    """The prompt file of bench and loadtest: `path`, else Spec-Bench where a checkout keeps it."""
+    from pathlib import Path
+
+    if path is not None:
+        if not Path(path).is_file():
+            raise UserError(f"prompts file not found: {path}")
+        return path
+    if not Path(SPEC_BENCH).is_file():
+        raise UserError(
+            f"no --prompts and no Spec-Bench at {SPEC_BENCH}: get question.jsonl from "
+            "https://github.com/hemingkx/Spec-Bench (data/spec_bench/question.jsonl) and pass --prompts FILE"
+        )
+    return SPEC_BENCH
+
+
+def given_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $HEADSTART_API_KEY, else None."""
+    return args.api_key or os.environ.get("HEADSTART_API_KEY") or None

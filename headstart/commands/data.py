@@ -1,0 +1,165 @@
+"""`headstart distill`, `drift` and `report`: training data, an adapter's drift, training curves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from headstart.commands.common import (
+    UserError,
+    add_adapter_args,
+    add_model_args,
+    at_least_one,
+    check_lengths,
+    given_api_key,
+    sampling_params,
+    seed_value,
+)
+from headstart.runtime.models import DEFAULT_MODEL, DTYPES
+from headstart.runtime.prompts import SPEC_BENCH, load_prompts
+from headstart.train.distill import BACKENDS, DERIVED
+
+
+def add_parsers(sub) -> None:
+    ds = sub.add_parser("distill", help="self-distillation: the target answers training prompts (resumable)")
+    add_model_args(ds, "bfloat16")
+    add_adapter_args(ds)
+    ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
+    ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")
+    ds.add_argument("--permissive-only", action="store_true", help="only rows with permissive: true")
+    ds.add_argument("--derive", default=None, choices=tuple(DERIVED),
+                    help="instead of --prompts: prompts of this task over the answers already in --out")  # fmt: skip
+    ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
+    ds.add_argument("--max-new-tokens", type=int, default=256)
+    ds.add_argument("--temperature", type=float, default=0.0)
+    ds.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
+    ds.add_argument("--backend", default="batched", choices=BACKENDS,
+                    help="batched: continuous batching (default); hf: transformers' generate")  # fmt: skip
+    ds.add_argument("--compare-backends", action="store_true",
+                    help="benchmark: answer the prompts with both backends (T = 0) into OUT/hf and OUT/batched, "
+                    "print both rates and how many rows agree")  # fmt: skip
+    ds.add_argument("--also", action="append", default=[], metavar="DIR",
+                    help="distilled folders beside --out: ids in them are not answered again (repeatable)")  # fmt: skip
+    ds.add_argument("--exclude", action="append", default=None, metavar="FILE",
+                    help="prompt files held out of distillation, by id, source id or text (repeatable; default: "
+                    "configs/tune-prompts.jsonl, configs/tune-derived.jsonl and Spec-Bench where present)")  # fmt: skip
+    ds.add_argument("--no-prepack", action="store_true", help="stock linear kernels (runtime/kernels.py)")
+    ds.add_argument("--engine", default=None, metavar="URL",
+                    help="answer on this OpenAI-compatible server (vLLM, SGLang, headstart serve), not locally; "
+                    "--model is the target it must serve (checked on a probe prompt)")  # fmt: skip
+    ds.add_argument("--concurrency", type=at_least_one, default=16, help="--engine: requests in flight")
+    ds.add_argument("--api-key", default=None, metavar="KEY",
+                    help="--engine: the server's key (default: $HEADSTART_API_KEY)")  # fmt: skip
+    ds.add_argument("--retries", type=int, default=5, help="--engine: retries of a failed request, with backoff")
+    ds.add_argument(
+        "--no-model-check", action="store_true", help="--engine: skip the probe that the server serves --model"
+    )
+    ds.add_argument("--seed", type=seed_value, default=0)
+    ds.set_defaults(run=cmd_distill)
+
+    dr = sub.add_parser("drift", help="how far a LoRA adapter (Medusa-2 heads' own) moves the model's answers")
+    dr.add_argument("adapter", help="a peft LoRA adapter directory, or Medusa-2 heads (which hold theirs)")
+    dr.add_argument("--model", default=None, help="the base model (default: the one the heads were trained for)")
+    dr.add_argument("--dtype", default="float32", choices=DTYPES)
+    dr.add_argument("--device", default="cpu")
+    dr.add_argument("--prompts", default=None,
+                    help="JSONL prompt file (default: the prompts the heads' training run held out)")  # fmt: skip
+    dr.add_argument("--data", default=None, help="the training run's distilled data, if it moved")
+    dr.add_argument("--limit", type=at_least_one, default=20, help="prompts")
+    dr.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    dr.add_argument("--out", default="bench-results", help="folder for the JSON results")
+    dr.set_defaults(run=cmd_drift)
+
+    r = sub.add_parser("report", help="per-head training curves of several runs in one PNG")
+    r.add_argument("runs", nargs="+", help="training output directories (with metrics.jsonl)")
+    r.add_argument("--out", default="report.png")
+    r.set_defaults(run=cmd_report)
+
+
+HELD_OUT = ("configs/tune-prompts.jsonl", "configs/tune-derived.jsonl", SPEC_BENCH)  # never distilled
+
+
+def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.runtime.models import load_model
+    from headstart.train.distill import compare_backends, derived_prompts, distill
+    from headstart.train.sources import answered_ids, file_sha, held_out
+
+    check_lengths(args)
+    sampling_params(args.temperature)
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise UserError("--batch-size and --limit must be >= 1")
+    if args.retries < 0:
+        raise UserError(f"--retries must be >= 0, got {args.retries}")
+    for folder in args.also:
+        if not Path(folder).is_dir():
+            raise UserError(f"--also {folder}: no such folder")
+    exclude = args.exclude if args.exclude is not None else [f for f in HELD_OUT if Path(f).is_file()]
+    for f in exclude:
+        if not Path(f).is_file():
+            raise UserError(f"--exclude {f}: no such file")
+    if args.derive is None:
+        prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
+                               skip_malformed=True)  # fmt: skip
+        source = {"prompts": args.prompts, "prompts_sha": file_sha(args.prompts),
+                  "filter": {"permissive_only": args.permissive_only, "limit": args.limit}}  # fmt: skip
+    model, tokenizer = load_model(args.model, args.dtype, args.device, args.adapter, not args.no_merge)
+    if args.derive is not None:
+        prompts = derived_prompts(args.derive, args.out, tokenizer, args.limit or 1000)
+        source = {"prompts": f"derived:{args.derive}", "filter": {"limit": args.limit}}
+    prompts, dropped = held_out(prompts, exclude)
+    source["held_out"] = {"files": exclude, "dropped": dropped}
+    if dropped:
+        print(f"headstart: {dropped} prompt(s) held out (tuning and evaluation prompts)", file=sys.stderr)
+    if args.compare_backends:
+        result = compare_backends(model, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size)
+        print(json.dumps(result, indent=2))
+        (Path(args.out) / "compare.json").write_text(json.dumps(result, indent=2))
+        return 0
+    if args.engine:
+        from headstart.train.engine import distill_with_engine
+
+        stats = distill_with_engine(args.engine, model, tokenizer, prompts, args.out, args.max_new_tokens,
+                                    args.temperature, args.concurrency, args.seed, args.retries,
+                                    check_model=not args.no_model_check,
+                                    api_key=given_api_key(args))  # fmt: skip
+    else:
+        stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
+                        seed=args.seed, backend=args.backend, skip_ids=answered_ids(args.also),
+                        prepack=not args.no_prepack, source=source)  # fmt: skip
+    print(
+        f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
+        f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_drift(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.heads.checkpoint import HeadsConfig
+    from headstart.runtime.engine import Engine
+    from headstart.train.drift import held_out_prompts, measure_drift, save_drift, summarize_drift
+
+    heads = HeadsConfig.find(args.adapter)  # Medusa-2 heads hold their adapter; a bare adapter names no target
+    trained_for = heads.target.get("name") if heads is not None else None
+    model = args.model or trained_for or DEFAULT_MODEL
+    engine = Engine.load(model, args.dtype, "none", args.device, adapter=args.adapter, merge_adapter=False)
+    if args.prompts:
+        prompts = [engine.encode(p.text) for p in load_prompts(args.prompts, limit=args.limit)]
+    else:
+        prompts = held_out_prompts(args.adapter, args.limit, args.data)
+    results = measure_drift(engine, prompts, args.max_new_tokens)
+    summary = summarize_drift(results)
+    meta = {"command": "headstart " + " ".join(argv), "model": model, "adapter": args.adapter, "dtype": args.dtype}
+    path = save_drift(results, summary, Path(args.out), meta)
+    print(json.dumps(summary, indent=2))
+    print(f"results: {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.train.report import draw_report
+
+    print(draw_report(args.runs, args.out))
+    return 0

@@ -1,0 +1,103 @@
+"""`headstart export`, `convert` and `calibrate`: heads to and from other layouts, and their accuracies."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from headstart.commands.common import (
+    UserError,
+    add_model_args,
+    at_least_one,
+)
+from headstart.runtime.models import DEFAULT_MODEL
+from headstart.runtime.prompts import load_prompts
+
+
+def add_parsers(sub) -> None:
+    ex = sub.add_parser("export", help="write trained EAGLE-3 heads in the layout vLLM and SGLang load")
+    ex.add_argument("heads", help="trained heads directory (a training run's output_dir/heads)")
+    ex.add_argument("out", help="a new (or empty) folder to write")
+    ex.add_argument("--format", default="specforge", choices=("specforge", "speculators"),
+                    help="specforge: the EAGLE-3 layout vLLM and SGLang load (default); speculators: vLLM's "
+                    "self-describing twin (`vllm serve OUT`)")  # fmt: skip
+    ex.add_argument("--target", default=None,
+                    help="the target's path or hub name the commands and the speculators config name (default: the "
+                    "model the heads were trained for; an embedded name becomes its local directory)")  # fmt: skip
+    ex.set_defaults(run=cmd_export)
+
+    cv = sub.add_parser("convert", help="write published Medusa / EAGLE / EAGLE-3 heads as headstart heads")
+    cv.add_argument("src", help="the published heads' folder (Medusa authors', EAGLE authors', SpecForge, speculators)")
+    cv.add_argument("out", help="a new (or empty) folder to write")
+    cv.add_argument("--model", default=DEFAULT_MODEL,
+                    help="the target the heads draft for (embedded name, HF model directory or .gguf file): its "
+                    "fingerprint is written with them")  # fmt: skip
+    cv.set_defaults(run=cmd_convert)
+
+    cb = sub.add_parser(
+        "calibrate", help="measure heads' per-rank accuracies on your prompts (what trees are shaped from)"
+    )
+    cb.add_argument("heads", help="a headstart heads directory (`headstart convert` published heads first)")
+    cb.add_argument("--prompts", required=True, help="JSONL prompt file (chat prompts, as serving sees them)")
+    add_model_args(cb, "float32")
+    cb.add_argument("--limit", type=at_least_one, default=64, help="prompts to answer (default 64)")
+    cb.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    cb.set_defaults(run=cmd_calibrate)
+
+
+def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.heads.export import export_heads
+    from headstart.runtime.models import resolve_model_dir
+
+    def target_path(name: str) -> str:
+        return str(resolve_model_dir(name)) if name == DEFAULT_MODEL else name
+
+    print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_path))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.heads.published import convert_heads
+    from headstart.runtime.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    print(convert_heads(args.src, args.out, model, tokenizer))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
+    from tqdm import tqdm
+
+    from headstart.heads.checkpoint import HeadsConfig, load_heads, save_config
+    from headstart.heads.published import detect_layout
+    from headstart.runtime.drafters.options import EagleOptions
+    from headstart.runtime.engine import Engine
+    from headstart.runtime.tokens import cut_at_eos, pad_id
+    from headstart.train.data import Row
+    from headstart.train.evaluate import MEDUSA_KINDS, measure
+
+    if detect_layout(args.heads) != "headstart":
+        raise UserError(f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then "
+                        "calibrate OUT")  # fmt: skip
+    config = HeadsConfig.read(args.heads)
+    if not Path(args.prompts).is_file():
+        raise UserError(f"prompts file not found: {args.prompts}")
+    prompts = load_prompts(args.prompts)[: args.limit]
+    adapter = args.heads if config.kind == "medusa2" else None  # Medusa-2 heads draft for base + their adapter
+    engine = Engine.load(args.model, args.dtype, "none", args.device, adapter=adapter)
+    heads, _ = load_heads(args.heads, engine.target.model, engine.tokenizer)
+    rows = []
+    for i, prompt in enumerate(tqdm(prompts, desc="answer", unit="prompt", dynamic_ncols=True)):
+        ids = engine.encode(prompt.text)
+        answer = cut_at_eos(engine.generate(ids, max_new_tokens=args.max_new_tokens).token_ids, engine.eos_ids)
+        rows.append(Row(ids + answer, len(ids), i, prompt.id))
+    depths = heads.num_heads if config.kind in MEDUSA_KINDS else EagleOptions().depth
+    metrics, accuracy = measure(config.kind, heads.float(), engine.target.model, rows, depths, pad_id(engine.tokenizer))
+    calibrated = {"prompts": str(args.prompts), "answers": len(rows), "max_new_tokens": args.max_new_tokens,
+                  "metrics": metrics}  # fmt: skip
+    save_config(args.heads, dataclasses.replace(config, rank_accuracy=accuracy,
+                                                extra={**config.extra, "calibrated_on": calibrated}))  # fmt: skip
+    print(f"acceptance length {metrics['acceptance_length']:.2f}; top-1 per depth "
+          + ", ".join(f"{a[0]:.3f}" for a in accuracy))  # fmt: skip
+    return 0

@@ -1,0 +1,134 @@
+"""`headstart serve` and `headstart loadtest`: the OpenAI-compatible server and its load test."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from headstart.commands.common import (
+    UserError,
+    add_adapter_args,
+    add_drafter_args,
+    add_model_args,
+    add_prepack_arg,
+    bench_prompts,
+    given_api_key,
+    load_engine,
+)
+from headstart.runtime.prompts import SPEC_BENCH, load_prompts
+
+
+def add_parsers(sub) -> None:
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
+    add_model_args(sv, "bfloat16")
+    add_prepack_arg(sv)
+    add_adapter_args(sv)
+    add_drafter_args(sv)
+    sv.add_argument("--served-model-name", default=None,
+                    help="the `model` clients pass (default: --model's last path part, never a path)")  # fmt: skip
+    sv.add_argument("--max-body-mb", type=float, default=None, help="largest request body, larger gets 413 (default 4)")
+    sv.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $HEADSTART_API_KEY, else none)",
+    )
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
+    sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
+    sv.add_argument("--step-aside-queue", type=int, default=None,
+                    help="decode plainly while more than this many requests wait (default: never)")  # fmt: skip
+    sv.add_argument("--min-acceptance", type=float, default=None,
+                    help="decode plainly a while when recent rounds make fewer tokens a pass")  # fmt: skip
+    sv.set_defaults(run=cmd_serve)
+
+    lt = sub.add_parser("loadtest", help="latency and throughput of a running `headstart serve`")
+    lt.add_argument("--url", default="http://127.0.0.1:8000")
+    lt.add_argument("--api-key", default=None, metavar="KEY", help="the server's key (default: $HEADSTART_API_KEY)")
+    lt.add_argument("--clients", default="1,4,16", help="comma list of concurrency levels")
+    lt.add_argument("--requests-per-client", type=int, default=2)
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
+    lt.add_argument("--out", default=None, help="also write the results as JSON here")
+    lt.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                    help="instead: a soak of valid, malformed, disconnecting and oversized requests from --clients "
+                    "clients (one level) for SECONDS; counts by kind and status, /health p99, server RSS")  # fmt: skip
+    lt.set_defaults(run=cmd_loadtest)
+
+
+def served_name(model: str, given: str | None) -> str:
+    """The id clients pass as `model`: `given`, else the last part of --model (never a filesystem path)."""
+    return given or Path(model.rstrip("/")).name.removesuffix(".gguf")
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
+
+    import uvicorn
+
+    from headstart.runtime.server.app import ServeConfig, build_app
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    for flag, value in (("--max-queue", args.max_queue), ("--time-limit", args.time_limit)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be > 0, got {value}")
+    if args.step_aside_queue is not None and args.step_aside_queue < 0:
+        raise UserError(f"--step-aside-queue must be >= 0, got {args.step_aside_queue}")
+    options = {"max_queue": args.max_queue, "time_limit_s": args.time_limit, "step_aside_queue": args.step_aside_queue,
+               "min_acceptance": args.min_acceptance}  # fmt: skip
+    if args.max_body_mb is not None:
+        if args.max_body_mb <= 0:
+            raise UserError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+        options["max_body_bytes"] = int(args.max_body_mb * (1 << 20))
+    config = ServeConfig(served_name(args.model, args.served_model_name),
+                         **{k: v for k, v in options.items() if v is not None})  # fmt: skip
+    api_key = given_api_key(args)
+    if api_key is None and args.host not in LOOPBACK:
+        print(f"headstart: warning: serving on {args.host} without an API key: anyone who reaches it can use it "
+              "(--api-key or HEADSTART_API_KEY)", file=sys.stderr)  # fmt: skip
+    engine = load_engine(args)
+    auth = "an API key required" if api_key else "no API key"
+    print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1, {auth} "
+          f"({dataclasses.asdict(config)})", file=sys.stderr)  # fmt: skip
+    uvicorn.run(build_app(engine, config, api_key), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
+    from pathlib import Path
+
+    import httpx
+
+    from headstart.runtime.server import loadtest
+
+    try:
+        levels = [int(c) for c in args.clients.split(",")]
+    except ValueError as e:
+        raise UserError(f"--clients takes a comma list of integers: {e}") from e
+    if min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
+        raise UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
+    prompts = [p.text for p in load_prompts(bench_prompts(args.prompts))]
+    api_key = given_api_key(args)
+    try:
+        health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise UserError(f"no headstart server at {args.url}: {e}") from e
+    if args.soak is not None:
+        result = loadtest.soak(args.url, health["model"], prompts, args.soak, max(levels), api_key=api_key)
+        print(json.dumps(result, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"server": health, "soak": result}, indent=2))
+        return 0
+    rows = [loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens,
+                               api_key) for c in levels]  # fmt: skip
+    print(loadtest.markdown(rows, health["drafter"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"server": health, "levels": rows}, indent=2))
+    return 0
