@@ -77,7 +77,7 @@ def check_fingerprint(trained_for: dict, target: dict, where: str, allow_adapter
         raise HeadsMismatchError(mismatch)
     if trained_for.get("adapter") != target.get("adapter"):  # heads from before adapters: trained on the base
         if not allow_adapter_mismatch:
-            raise HeadsMismatchError(f"{mismatch} (--allow-adapter-mismatch runs them anyway: the output stays "
+            raise HeadsMismatchError(f"{mismatch} (`allow_adapter_mismatch` runs them anyway: the output stays "
                                      "exact, acceptance may drop)")  # fmt: skip
         warnings.warn(f"{mismatch}: running them anyway; the output stays exact, acceptance may drop", stacklevel=2)
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from headstart import __version__
 from headstart.commands import bench, data, decode, heads, serving
-from headstart.commands.common import Parser, UserError
+from headstart.commands.common import Parser, UserError, with_flags
 from headstart.extras import COMMANDS, MissingExtraError, require
 
 GROUPS = (decode, bench, data, serving, heads)  # each registers its subcommands (`add_parsers`)
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             require(COMMANDS[args.command], f"headstart {args.command}")
         return args.run(args, argv)
     except (UserError, ValueError, MissingExtraError) as e:
-        print(f"headstart: error: {e}", file=sys.stderr)
+        print(f"headstart: error: {with_flags(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("headstart: interrupted", file=sys.stderr)

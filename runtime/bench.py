@@ -173,7 +173,7 @@ def method_options(methods: list[str], options: dict) -> dict[str, dict]:
     for m, spec in specs.items():
         label = m.partition(LABEL_SEP)[2]
         if label and label != SHIPPED_LABEL and label not in labelled:
-            raise ValueError(f"method {m}: no heads are labelled {label} (--heads {label}=DIR)")
+            raise ValueError(f"method {m}: no heads are labelled {label} (`labelled_heads`)")
         if label in labelled:
             taken[m]["heads"] = labelled[label]
         elif heads.get(spec.base):

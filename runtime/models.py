@@ -94,7 +94,7 @@ def convert_gguf(gguf: Path) -> Path:
 def resolve_model_dir(name: str) -> Path:
     """Map a `--model` argument to a local Hugging Face directory, converting GGUF files on first use."""
     if not name or not name.strip():
-        raise ModelError("empty --model")
+        raise ModelError("empty `model`: give a model name, directory or .gguf file")
     if name == DEFAULT_MODEL:
         return convert_gguf(smollm2_gguf())
     path = Path(name).expanduser()

@@ -7,11 +7,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# Spec-Bench's question.jsonl (hemingkx/Spec-Bench, data/spec_bench/question.jsonl) where a checkout keeps it.
-SPEC_BENCH = "../shared/data/eval/spec_bench.jsonl"
-# 32 prompts written for this project (tests/data/README.md), where a checkout keeps them: tests and `headstart check`.
-TEST_PROMPTS = "tests/data/prompts.jsonl"
-
 
 @dataclass(frozen=True)
 class Prompt:

@@ -76,7 +76,7 @@ def test_heads_are_bound_to_their_adapter(tiny_model_dir, adapters, tmp_path):
     base, _ = load_model(str(tiny_model_dir))
     on_b, _ = load_model(str(tiny_model_dir), adapter=adapters["b"])
     sha_a, sha_b = adapter_sha(adapters["a"]), adapter_sha(adapters["b"])
-    with pytest.raises(HeadsMismatchError, match=f"adapter {sha_a}.*no adapter.*--allow-adapter-mismatch"):
+    with pytest.raises(HeadsMismatchError, match=f"adapter {sha_a}.*no adapter.*`allow_adapter_mismatch`"):
         load_heads(tmp_path / "h", base, tokenizer)
     with pytest.raises(HeadsMismatchError, match=f"adapter {sha_a}.*adapter {sha_b}"):
         load_heads(tmp_path / "h", on_b, tokenizer)

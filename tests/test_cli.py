@@ -122,3 +122,14 @@ def test_a_drafter_option_it_does_not_take_is_named(capsys, tiny_model_dir):
     assert main([*argv, "--tree-depth", "3"]) == 2
     assert "--drafter lookup does not take --tree-depth" in capsys.readouterr().err
     assert main([*argv, "--tree-budget", "4", "--max-new-tokens", "4"]) == 0  # lookup takes a budget
+
+
+def test_library_errors_name_options_and_the_command_line_names_flags(tiny_model_dir, capsys):
+    """The library names an option as its keyword (`draft_model`); the CLI shows the flag a user types."""
+    from headstart.runtime.drafters.registry import make_drafter
+
+    with pytest.raises(ValueError, match="needs `draft_model`"):
+        make_drafter("model", object())
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--drafter", "model"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --draft-model" in err and "`" not in err.splitlines()[-1]

@@ -36,10 +36,10 @@ def held_out_prompts(heads_dir: str | Path, limit: int, data_path: str | None = 
 
     config = HeadsConfig.find(heads_dir)
     if config is None:
-        raise ValueError(f"{heads_dir} has no config.json of a training run: pass --prompts FILE")
+        raise ValueError(f"{heads_dir} has no config.json of a training run: give `prompts` (a prompt file)")
     data = (config.training or {}).get("data", {})
     if not data:
-        raise ValueError(f"{Path(heads_dir) / 'config.json'} records no training data: pass --prompts FILE")
+        raise ValueError(f"{Path(heads_dir) / 'config.json'} records no training data: give `prompts` (a prompt file)")
     folders = [data_path] if data_path else [data["path"], *data.get("sources", [])]
     _, held = split_rows(load_rows(folders, data["max_len"]), data["eval_rows"])
     return [row.input_ids[: row.n_prompt] for row in held[:limit]]

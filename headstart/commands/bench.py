@@ -8,6 +8,8 @@ from pathlib import Path
 
 from headstart.commands.common import (
     FLAGS,
+    SPEC_BENCH,
+    TEST_PROMPTS,
     UserError,
     add_adapter_args,
     add_model_args,
@@ -24,7 +26,6 @@ from headstart.commands.common import (
 )
 from headstart.runtime.drafters.registry import names
 from headstart.runtime.models import DEFAULT_MODEL
-from headstart.runtime.prompts import SPEC_BENCH, TEST_PROMPTS
 
 
 def add_parsers(sub) -> None:

@@ -9,7 +9,10 @@ from pathlib import Path
 from headstart.runtime.drafters.registry import names, option_names
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
 from headstart.runtime.profiles import PROFILES
-from headstart.runtime.prompts import SPEC_BENCH
+
+# Where a checkout keeps prompt files (the command line's defaults; the library has none):
+SPEC_BENCH = "../shared/data/eval/spec_bench.jsonl"  # Spec-Bench's question.jsonl (hemingkx/Spec-Bench)
+TEST_PROMPTS = "tests/data/prompts.jsonl"  # 32 prompts written for this project (tests/data/README.md)
 
 # CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
 FLAGS = {"heads": "--heads", "budget": "--tree-budget", "depth": "--tree-depth", "top_k": "--tree-top-k",
@@ -157,3 +160,13 @@ def bench_prompts(path: str | None) -> str:
 def given_api_key(args: argparse.Namespace) -> str | None:
     """--api-key, else $HEADSTART_API_KEY, else None."""
     return args.api_key or os.environ.get("HEADSTART_API_KEY") or None
+
+
+OPTION_FLAGS = {**FLAGS, "prompts": "--prompts", "model": "--model"}
+
+
+def with_flags(message: str) -> str:
+    """A library error, its options (written `name`) named by the flags a command-line user types."""
+    for option, flag in OPTION_FLAGS.items():
+        message = message.replace(f"`{option}`", flag)
+    return message

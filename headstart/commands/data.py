@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from headstart.commands.common import (
+    SPEC_BENCH,
     UserError,
     add_adapter_args,
     add_model_args,
@@ -18,7 +19,7 @@ from headstart.commands.common import (
     seed_value,
 )
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
-from headstart.runtime.prompts import SPEC_BENCH, load_prompts
+from headstart.runtime.prompts import load_prompts
 from headstart.train.distill import BACKENDS, DERIVED
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from headstart.commands.common import (
+    SPEC_BENCH,
     UserError,
     add_adapter_args,
     add_drafter_args,
@@ -18,7 +19,7 @@ from headstart.commands.common import (
     given_api_key,
     load_engine,
 )
-from headstart.runtime.prompts import SPEC_BENCH, load_prompts
+from headstart.runtime.prompts import load_prompts
 
 
 def add_parsers(sub) -> None:

@@ -104,7 +104,7 @@ class LayerskipOptions(TreeOptions):
     def layers(self) -> list[int]:
         """The layer indices `draft_layers` names."""
         if self.draft_layers is None:
-            raise ValueError("the layerskip drafter needs draft_layers (--draft-layers N, or a list such as 0,1,2,5)")
+            raise ValueError("the layerskip drafter needs `draft_layers` (N, or a list such as 0,1,2,5)")
         text = str(self.draft_layers).strip()
         try:
             return list(range(int(text))) if text.isdigit() else [int(x) for x in text.split(",")]

@@ -96,7 +96,7 @@ def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
     heads = heads_dir(kind, options.heads, ctx.model_name)
     if heads is None or ctx.model is None:
         shipped = f": none are shipped for {ctx.model_name}" if ctx.model_name else ""
-        raise ValueError(f"the {kind} drafter needs trained heads (--heads DIR){shipped}")
+        raise ValueError(f"the {kind} drafter needs trained heads (`heads`: their directory){shipped}")
     module, config = load_heads(heads, ctx.model, ctx.tokenizer, options.allow_adapter_mismatch)
     if config.kind != kind:
         raise ValueError(f"{heads} holds {config.kind} heads, not {kind} heads")
@@ -143,7 +143,7 @@ def _model(options: ModelOptions, ctx: Context) -> Drafter:
     if ctx.model is None:
         raise ValueError("the model drafter needs the target model")
     if options.draft_model is None:
-        raise ValueError("the model drafter needs draft_model (--draft-model PATH_OR_NAME, or model:PATH)")
+        raise ValueError("the model drafter needs `draft_model` (a model path or name, or the spec model:PATH)")
     draft, draft_tokenizer = load_model(options.draft_model, dtype=ctx.model.dtype, device=str(ctx.model.device))
     check_same_tokenizer(ctx.tokenizer, draft_tokenizer, ctx.model_name or "the target", options.draft_model)
     return ModelDrafter(draft, options, vocab_size=ctx.model.config.vocab_size)

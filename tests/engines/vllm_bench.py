@@ -64,8 +64,9 @@ def headstart_side(heads: Path, ids: list[list[int]], max_tokens: int) -> dict[s
 def main() -> int:
     from transformers import AutoTokenizer
 
+    from headstart.commands.common import TEST_PROMPTS
     from headstart.runtime.bench import replace_section
-    from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
+    from headstart.runtime.prompts import load_prompts
     from headstart.runtime.tokens import prompt_ids
 
     p = engine_args(__doc__.split("\n")[0], 128, "vllm-bench")

@@ -98,7 +98,8 @@ def vllm_acceptance(counters: dict) -> tuple[float, int, list]:
 
 
 def main() -> int:
-    from headstart.runtime.prompts import TEST_PROMPTS, load_prompts
+    from headstart.commands.common import TEST_PROMPTS
+    from headstart.runtime.prompts import load_prompts
 
     args = engine_args(__doc__.split("\n")[0], 96, "vllm-check").parse_args()
     heads, out, model_dir, draft = export_for_vllm(args)
