@@ -22,11 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from headstart.heads.eagle import EagleHead
-from headstart.heads.eagle3 import Eagle3Head
-from headstart.heads.medusa import MedusaHeads
+from headstart.heads.kinds import KINDS, get_kind
 
-KINDS = ("medusa", "medusa2", "eagle", "eagle3")  # medusa2: Medusa heads + the LoRA adapter they trained with
 SHIPPED = Path(str(resources.files("headstart.heads") / "trained"))  # heads this project trained and ships
 
 
@@ -88,23 +85,15 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
-    """A fresh head module of `kind` for the target `model`."""
-    if kind in ("medusa", "medusa2"):
-        heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, **options)
-        heads.init_lm_heads(model.get_output_embeddings())
-        return heads
-    if kind == "eagle":
-        return EagleHead.for_target(model, **options)
-    if kind == "eagle3":
-        return Eagle3Head.for_target(model, **options)
-    raise ValueError(f"unknown head kind '{kind}': choose one of {', '.join(KINDS)}")
+    """A fresh head module of `kind` (heads/kinds.py) for the target `model`."""
+    return get_kind(kind).build(model, **options)
 
 
 @dataclass(frozen=True)
 class HeadsConfig:
     """A heads directory's config.json, typed: read (`read`) and written (`save_heads`) here only."""
 
-    kind: str  # one of KINDS
+    kind: str  # a registered kind (heads/kinds.py)
     target: dict  # the fingerprint of the target the heads were trained for (`target_fingerprint`)
     options: dict = field(default_factory=dict)  # `build_heads` keyword arguments (num_heads, layers, draft_vocab)
     dtype: str = "bfloat16"  # of the saved weights

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from headstart.heads.checkpoint import HeadsConfig, read_checkpoint
 from headstart.heads.eagle3 import engine_feature_layers
+from headstart.heads.kinds import get_kind
 
 FORMATS = ("specforge", "speculators")
 
@@ -39,13 +40,9 @@ class ExportError(ValueError):
 
 
 def check_exportable(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> None:
-    kind = config.kind
-    if kind == "eagle":
-        raise ExportError("EAGLE-1 heads cannot be exported faithfully: their fc has a bias (vLLM drops it) and "
-                          "they predict post-norm features; train an eagle3 head (heads.kind: eagle3)")  # fmt: skip
-    if kind != "eagle3":
-        why = " (vLLM 0.33 removed Medusa; SGLang never had it)" if kind == "medusa" else ""
-        raise ExportError(f"{kind} heads cannot be exported: vLLM and SGLang load EAGLE-3 heads{why}")
+    refusal = get_kind(config.kind).export_refusal  # None: the kind is an EAGLE-3 head, in the engines' layout
+    if refusal is not None:
+        raise ExportError(refusal)
     target = config.target
     if not isinstance(config.draft_layer, dict):
         raise ExportError("the heads' config.json lacks the draft layer's config (draft_layer)")

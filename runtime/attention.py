@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from headstart.runtime.tree import additive_mask
+from headstart.heads.masks import additive_mask
 
 MaskArg = torch.Tensor | dict[str, torch.Tensor]
 

@@ -27,9 +27,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from headstart.heads.masks import additive_mask
 from headstart.runtime.attention import AttentionLayout
 from headstart.runtime.kvcache import MIN_CAPACITY  # positions a slot holds at first; doubling past it
-from headstart.runtime.tree import additive_mask
 
 PREFILL_TOKENS = 8192  # padded tokens a prefill forward feeds at most
 

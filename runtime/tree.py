@@ -87,14 +87,6 @@ def tree_visibility(tree: DraftTree, past_len: int) -> tuple[torch.Tensor, torch
     return allowed, positions
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(q, k) or (B, q, k) bool -> float 4D mask (1 or B, 1, q, k) on `device`: 0 where allowed, dtype's most
-    negative value elsewhere. The bool mask travels, the float one is built where it is used."""
-    allowed = allowed.to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None] if mask.dim() == 2 else mask[:, None]
-
-
 def rerank(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:
     """The `budget` nodes of highest cumulative log-prob as a DraftTree: by depth, siblings best first."""
     keep = sorted(range(len(tokens)), key=lambda i: -scores[i])[:budget]

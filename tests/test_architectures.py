@@ -16,12 +16,12 @@ import transformers as tf
 from transformers import AutoTokenizer
 
 from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
+from headstart.heads.losses import eagle3_loss, eagle_loss, medusa_loss
 from headstart.heads.vocab import DraftReadout
 from headstart.runtime.batched import decode_batched
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.train.config import LoraConfig
-from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, medusa2_loss
 from helpers.exactness import assert_greedy_identity, random_heads
 from helpers.models import tiny_tokenizer

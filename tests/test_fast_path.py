@@ -5,13 +5,14 @@ import copy
 import pytest
 import torch
 
+from headstart.heads.masks import additive_mask
 from headstart.runtime.attention import MaskBuffer
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.generate import stream
 from headstart.runtime.kernels import ROW_BUCKETS, PackedLinear, prepack_linears
 from headstart.runtime.kvcache import TargetCache
 from headstart.runtime.target import Target
-from headstart.runtime.tree import DraftTree, additive_mask, tree_visibility
+from headstart.runtime.tree import DraftTree, tree_visibility
 from helpers.models import tiny_llama
 
 PROMPT = [5, 9, 3, 17, 22, 8, 41, 3, 17]

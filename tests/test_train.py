@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from headstart.heads.checkpoint import load_heads
+from headstart.heads.losses import eagle_unroll, head_metrics, medusa_labels
+from headstart.heads.masks import unroll_mask
 from headstart.runtime.prompts import load_prompts
 from headstart.train import heads as train_heads
 from headstart.train.config import ConfigError, load_config
 from headstart.train.data import Row, collate, make_batches
 from headstart.train.distill import derived_prompts
-from headstart.train.losses import eagle_unroll, head_metrics, medusa_labels, unroll_mask
 from helpers.models import ACCELERATE_LAUNCH, WORDS
 from helpers.pinned import fixed_batch_losses, load_pinned
 from helpers.training import make_cfg, write_shards

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
 
+from headstart.heads.masks import additive_mask
 from headstart.runtime.attention import AttentionLayout
-from headstart.runtime.tree import DraftTree, TreeGrower, additive_mask, tree_visibility
+from headstart.runtime.tree import DraftTree, TreeGrower, tree_visibility
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:

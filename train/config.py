@@ -42,7 +42,7 @@ class HeadsConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # medusa2 only
     feature_noise: float = 0.2  # eagle only: uniform noise U(-a/2, a/2) on input features while training
     ce_weight: float = 0.1  # eagle only: loss = SmoothL1(feature) + ce_weight * CE(target distribution)
-    unroll: int = 1  # eagle, eagle3: head steps run on its own outputs in training (train/losses.py eagle_unroll)
+    unroll: int = 1  # eagle, eagle3: head steps run on its own outputs in training (heads/losses.py eagle_unroll)
     unroll_from_step: int = 0  # eagle, eagle3: optimizer steps before this one train with unroll = 1
     draft_vocab: int = 0  # read out only the N most frequent response tokens (heads/vocab.py); 0 = all
     init_from: str = ""  # a trained heads directory to start from (not its draft vocabulary): new data, new schedule

@@ -27,17 +27,15 @@ from torch import nn
 
 from headstart.extras import MissingExtraError, require
 from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
+from headstart.heads.kinds import KINDS, Tools, get_kind
 from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.runtime.tokens import pad_id
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
-from headstart.train.evaluate import MEDUSA_KINDS, feature_layers, rank_hits, summarize
+from headstart.train.evaluate import rank_hits, summarize
 from headstart.train.features import FeatureCache, target_features
-from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
 from headstart.train.sources import answered_ids, check_sources
-
-KINDS = ("medusa", "medusa2", "eagle", "eagle3")
 
 
 def load_target(cfg: TrainConfig):
@@ -86,26 +84,23 @@ class Trainer:
         self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
-        self.options = {"draft_vocab": cfg.heads.draft_vocab}
-        if cfg.heads.kind in MEDUSA_KINDS:
-            self.options.update(num_heads=cfg.heads.num_heads, own_lm_head=cfg.heads.own_lm_head)
+        self.kind = get_kind(cfg.heads.kind)  # what the kind needs (heads/kinds.py)
+        self.options = self.kind.training_options(cfg.heads)
         heads = build_heads(cfg.heads.kind, model, **self.options).float()
-        if cfg.heads.kind == "eagle3":
-            self.options["layers"] = list(heads.feature_layers)
-        # the target hidden states the loss reads: EAGLE-3 its three fused layers and the final feature (for p)
-        self.layers = feature_layers(cfg.heads.kind, heads)
+        self.options.update(self.kind.saved_options(heads))
+        self.layers = self.kind.feature_layers(heads)  # the target hidden states the loss reads
         self.features = self.cache_features(rows) if cfg.data.features else None
         if cfg.heads.draft_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
             heads.draft_vocab.copy_(frequent_tokens(responses, cfg.heads.draft_vocab, model.config.vocab_size))
-        if cfg.heads.kind == "eagle3":
-            heads.init_lm_head(model.get_output_embeddings())
+        if self.kind.prepare is not None:
+            self.kind.prepare(heads, model)
         self.started_from = None  # the trained heads this run starts from (config.json's "init_from")
         if cfg.heads.init_from:
             self.started_from = init_from_trained(heads, cfg.heads.init_from, model, tokenizer)
         groups = [{"params": list(heads.parameters())}]
         trained: nn.Module = heads
-        if cfg.heads.kind == "medusa2":  # the target's LoRA trains beside the heads, at its own learning rate
+        if self.kind.trains_target:  # Medusa-2: the target's LoRA trains beside the heads, at its own learning rate
             self.model = attach_lora(model, cfg.heads.lora)
             trained = AdaptedTarget(self.model, heads)
             groups.append({"params": [p for p in self.model.parameters() if p.requires_grad], "lr": cfg.heads.lora.lr})
@@ -118,6 +113,7 @@ class Trainer:
         self.readout = heads.readout(model.get_output_embeddings())
         self.target_readout = DraftReadout(model.get_output_embeddings(), heads.draft_vocab)  # p over the draft vocab
         self.embed = model.get_input_embeddings()
+        self.tools = Tools(self.readout_f32, self.embed_f32, self.target_readout, self.readout.to_draft, cfg.heads)
         self._epoch = 0
         self.rank_accuracy: list[list[float]] = []
         self._batches = make_batches(self.train_rows, cfg.data.batch_tokens, cfg.seed)
@@ -164,23 +160,11 @@ class Trainer:
     def loss(self, batch: dict[str, torch.Tensor], step: int = 0) -> torch.Tensor:
         """The training loss of one micro-batch at optimizer step `step` (0-based)."""
         cfg = self.cfg.heads
-        ids, mask = batch["input_ids"], batch["loss_mask"]
-        if cfg.kind == "medusa2":  # the adapted target's features, with gradient into its LoRA
-            return medusa2_loss(self.module, self.heads, self.readout_f32, self.lm_head_weight, ids,
-                                batch["attention_mask"], mask, cfg.num_heads, cfg.lora.kl_weight,
+        if self.kind.trains_target:  # Medusa-2: the adapted target's features, with gradient into its LoRA
+            return medusa2_loss(self.module, self.heads, self.readout_f32, self.lm_head_weight, batch["input_ids"],
+                                batch["attention_mask"], batch["loss_mask"], cfg.num_heads, cfg.lora.kl_weight,
                                 self.readout.to_draft)  # fmt: skip
-        hidden = self.target_features(batch)
-        if cfg.kind == "medusa":
-            return medusa_loss(self.module, hidden, self.readout_f32, ids, mask, cfg.num_heads, self.readout.to_draft)
-        unroll = cfg.unroll if step >= cfg.unroll_from_step else 1
-        if cfg.kind == "eagle3":
-            return eagle3_loss(self.module, hidden, self.embed_f32, self.heads.logits, self.target_readout, ids, mask,
-                               unroll, self.readout.to_draft)  # fmt: skip
-        loss, _ = eagle_loss(
-            self.module, hidden, self.embed_f32, self.readout_f32, ids, mask,
-            noise=cfg.feature_noise, ce_weight=cfg.ce_weight, unroll=unroll,
-        )  # fmt: skip
-        return loss
+        return self.kind.loss(self.module, self.heads, self.target_features(batch), batch, self.tools, step)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -209,7 +193,7 @@ class Trainer:
             batch = collate(self.eval_rows[start : start + 8], self.pad_id)
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
             ids, mask = batch["input_ids"], batch["loss_mask"]
-            if self.cfg.heads.kind == "medusa2":  # the adapted target's features; its drift from the original
+            if self.kind.trains_target:  # Medusa-2: the adapted target's features; its drift from the original
                 hidden, original = module(ids, batch["attention_mask"])
                 n = int(mask[:, 1:].sum())
                 if n:
@@ -217,8 +201,7 @@ class Trainer:
                     drift = [drift[0] + kl * n, drift[1] + n]
             else:
                 hidden = self.target_features(batch)
-            found = rank_hits(self.cfg.heads.kind, heads, hidden, ids, mask, K, self.readout_f32, self.embed_f32,
-                              self.readout.to_target)  # fmt: skip
+            found = rank_hits(self.cfg.heads.kind, heads, hidden, ids, mask, K, self.tools, self.readout.to_target)
             for k, h in enumerate(found):
                 hits[k].append(h)
         module.train()
@@ -328,7 +311,7 @@ class Trainer:
             if self.started_from is not None:
                 extra["init_from"] = self.started_from
             fp = target_fingerprint(self.base, self.tokenizer, name=cfg.target.model)
-            if cfg.heads.kind == "medusa2":  # the heads' target is base + this adapter, saved beside them
+            if self.kind.trains_target:  # the heads' target is base + this adapter, saved beside them
                 fp["adapter"] = save_adapter(self.model, out / "heads", cfg.target.model)
             save_heads(out / "heads", self.heads, cfg.heads.kind, self.options, fp, extra)
         return metrics
@@ -374,15 +357,17 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
     kinds = [k.strip() for k in cfg.heads.kind.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         raise ConfigError(f"heads.kind must be one of {', '.join(KINDS)} or a comma list; got '{cfg.heads.kind}'")
+    lora = [k for k in kinds if KINDS[k].trains_target]  # Medusa-2: a LoRA on the target trains too
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
-    if "medusa2" in kinds and cfg.data.features:
-        raise ConfigError("data.features: a medusa2 run cannot use a feature cache (the target's features change as "
+    if lora and cfg.data.features:
+        raise ConfigError(f"data.features: a {lora[0]} run cannot use a feature cache (the target's features change as "
                           "its LoRA trains); remove data.features")  # fmt: skip
     if cfg.target.adapter and cfg.target.model == "tiny":
         raise ConfigError("target.adapter: the built-in `tiny` target takes no adapter (save a model, pass its path)")
-    if "medusa2" in kinds and cfg.target.adapter:
-        raise ConfigError("target.adapter: a medusa2 run trains its own LoRA on the base model; remove target.adapter")
+    if lora and cfg.target.adapter:
+        raise ConfigError(f"target.adapter: a {lora[0]} run trains its own LoRA on the base model; remove "
+                          "target.adapter")  # fmt: skip
     if len(kinds) == 1:
         return {kinds[0]: run_one(cfg, last=True)}
     results = {}

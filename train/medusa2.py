@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headstart.heads.losses import medusa_loss
 from headstart.runtime.adapters import quiet_peft
 from headstart.runtime.target import features
 from headstart.train.config import ConfigError, LoraConfig
-from headstart.train.losses import medusa_loss
 
 
 def attach_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

@@ -70,12 +70,13 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     from tqdm import tqdm
 
     from headstart.heads.checkpoint import HeadsConfig, load_heads, save_config
+    from headstart.heads.kinds import get_kind
     from headstart.heads.published import detect_layout
     from headstart.runtime.drafters.options import EagleOptions
     from headstart.runtime.engine import Engine
     from headstart.runtime.tokens import cut_at_eos, pad_id
     from headstart.train.data import Row
-    from headstart.train.evaluate import MEDUSA_KINDS, measure
+    from headstart.train.evaluate import measure
 
     if detect_layout(args.heads) != "headstart":
         raise UserError(f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then "
@@ -84,7 +85,8 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     if not Path(args.prompts).is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
     prompts = load_prompts(args.prompts)[: args.limit]
-    adapter = args.heads if config.kind == "medusa2" else None  # Medusa-2 heads draft for base + their adapter
+    kind = get_kind(config.kind)
+    adapter = args.heads if kind.trains_target else None  # Medusa-2 heads draft for base + their adapter
     engine = Engine.load(args.model, args.dtype, "none", args.device, adapter=adapter)
     heads, _ = load_heads(args.heads, engine.target.model, engine.tokenizer)
     rows = []
@@ -92,7 +94,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         ids = engine.encode(prompt.text)
         answer = cut_at_eos(engine.generate(ids, max_new_tokens=args.max_new_tokens).token_ids, engine.eos_ids)
         rows.append(Row(ids + answer, len(ids), i, prompt.id))
-    depths = heads.num_heads if config.kind in MEDUSA_KINDS else EagleOptions().depth
+    depths = heads.num_heads if kind.static_tree else EagleOptions().depth  # Medusa: every head; EAGLE: its drafting
     metrics, accuracy = measure(config.kind, heads.float(), engine.target.model, rows, depths, pad_id(engine.tokenizer))
     calibrated = {"prompts": str(args.prompts), "answers": len(rows), "max_new_tokens": args.max_new_tokens,
                   "metrics": metrics}  # fmt: skip

@@ -29,11 +29,12 @@ from transformers import DynamicCache
 
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
+from headstart.heads.masks import additive_mask
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.kernels import prepack_like_target
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, additive_mask, choose_tree_shape
+from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, choose_tree_shape
 
 
 class EagleDrafter(SamplingDrafter):

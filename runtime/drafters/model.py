@@ -27,10 +27,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from headstart.heads.masks import additive_mask
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import TreeOptions
 from headstart.runtime.sampling import SamplingParams, target_probs
-from headstart.runtime.tree import DraftTree, TreeGrower, additive_mask
+from headstart.runtime.tree import DraftTree, TreeGrower
 
 
 class TokenizerMismatchError(ValueError):

@@ -92,13 +92,14 @@ def heads_adapter(spec: str | DrafterSpec, model_name: str | None, heads: str | 
 def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
     """(module, config) of the heads `options.heads`, else of those shipped for `ctx.model_name`."""
     from headstart.heads.checkpoint import load_heads
+    from headstart.heads.kinds import get_kind
 
     heads = heads_dir(kind, options.heads, ctx.model_name)
     if heads is None or ctx.model is None:
         shipped = f": none are shipped for {ctx.model_name}" if ctx.model_name else ""
         raise ValueError(f"the {kind} drafter needs trained heads (`heads`: their directory){shipped}")
     module, config = load_heads(heads, ctx.model, ctx.tokenizer, options.allow_adapter_mismatch)
-    if config.kind != kind:
+    if get_kind(config.kind).drafter != kind:  # a kind names the drafter that decodes with it (heads/kinds.py)
         raise ValueError(f"{heads} holds {config.kind} heads, not {kind} heads")
     return module, config
 

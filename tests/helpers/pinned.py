@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from headstart.heads.checkpoint import build_heads
+from headstart.heads.losses import eagle3_loss, eagle_loss, medusa_loss
 from headstart.heads.vocab import DraftReadout
 from headstart.train.config import LoraConfig
-from headstart.train.losses import eagle3_loss, eagle_loss, medusa_loss
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, medusa2_loss
 from helpers.models import tiny_llama
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headstart.heads.eagle import EagleHead
-from headstart.runtime.tree import additive_mask
+from headstart.heads.masks import additive_mask, unroll_mask
 
 
 def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,22 +44,6 @@ def medusa_loss(heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_hea
         if sel.any():
             total = total + F.cross_entropy(logits[k][sel].float(), labels[k][used][sel])
     return total
-
-
-def unroll_mask(T: int, step: int) -> torch.Tensor:
-    """(T, step * T) bool: the keys that row s of unroll step `step` (1-based) attends to.
-
-    Keys are the head's entries of steps 1..step, T each, in that order. Row s of step k drafts as
-    the k-th autoregressive head call after a root at r = s - k + 1 does at inference: it sees the
-    entries of true features at positions <= r (step 1), then the entry its own path wrote at each
-    earlier step m (column s - k + m of step m), itself last. Step 1 is plain causal attention.
-    Rows with r < 0 have no root; they see only their own earlier-step entries and are not scored.
-    """
-    s = torch.arange(T)[:, None]
-    j = torch.arange(T)[None]
-    blocks = [j <= s - step + 1]  # step 1: true features up to the root
-    blocks += [j == s - step + m for m in range(2, step + 1)]  # steps 2..k: one entry of its own path each
-    return torch.cat(blocks, dim=1)
 
 
 def eagle_unroll(head: nn.Module, features: torch.Tensor, next_embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:

@@ -1,0 +1,149 @@
+"""The head-kind registry: everything the rest of headstart needs to know about a kind of draft head, in one entry.
+
+Training, evaluation, the checkpoint reader, `headstart calibrate`, the export and the drafters ask this table
+instead of branching on a kind's name. Adding a kind (docs/architecture.md, "Adding a head kind") is its module
+(the head: an nn.Module, its loss and its per-depth logits) plus one line in `KINDS`; a test may `register` one.
+
+The contract of an entry's functions, `tools` being `Tools` (what the trainer or the evaluation provides):
+
+    build(model, **options) -> head             a fresh head for the target `model` (a Hugging Face causal LM)
+    training_options(cfg) -> dict               build options from the training config's `heads` section
+    saved_options(head) -> dict                 options only known once built (saved with the weights)
+    prepare(head, model) -> None                after the draft vocabulary is set, before training (optional)
+    feature_layers(head) -> tuple[int, ...]     the target's hidden states the loss reads (-1: the final feature)
+    loss(module, head, hidden, batch, tools, step) -> scalar            training (`module`: head as wrapped)
+    depth_logits(head, hidden, ids, depths, tools) -> [(B, T', N)]      depth k at t: the token k + 1 ahead
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from headstart.heads import losses
+from headstart.heads.eagle import EagleHead
+from headstart.heads.eagle3 import Eagle3Head
+from headstart.heads.medusa import MedusaHeads
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What a kind's loss and per-depth logits are given: readouts and embeddings in float32, the options."""
+
+    readout: Callable[[torch.Tensor], torch.Tensor]  # (..., H) -> (..., N): the target's lm_head over the draft vocab
+    embed: Callable[[torch.Tensor], torch.Tensor]  # token ids -> (..., H) embeddings
+    target_readout: Any = None  # the target's DraftReadout (p over the draft vocabulary)
+    to_draft: Callable[[torch.Tensor], torch.Tensor] | None = None  # target ids -> draft indices (-1: outside)
+    options: Any = None  # the training config's `heads` section (num_heads, unroll, feature_noise ...)
+
+
+def _final(head: nn.Module) -> tuple[int, ...]:
+    return (-1,)
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    name: str
+    build: Callable[..., nn.Module]
+    drafter: str  # the drafter (runtime/drafters/registry.py) that decodes with heads of this kind
+    loss: Callable[..., torch.Tensor] | None  # None: the trainer's own path (trains_target)
+    depth_logits: Callable[..., list[torch.Tensor]]
+    training_options: Callable[[Any], dict] = lambda cfg: {"draft_vocab": cfg.draft_vocab}
+    saved_options: Callable[[nn.Module], dict] = lambda head: {}
+    prepare: Callable[[nn.Module, nn.Module], None] | None = None
+    feature_layers: Callable[[nn.Module], tuple[int, ...]] = _final
+    static_tree: bool = False  # its tree is shaped from measured per-rank accuracies (Medusa) when not sampled
+    trains_target: bool = False  # a LoRA on the target trains beside the heads (Medusa-2: train/medusa2.py)
+    export_refusal: str | None = "only EAGLE-3 heads export: vLLM and SGLang load those"  # None: it is one
+
+
+# ---- the built-in kinds -------------------------------------------------------------------------------------
+
+
+def _medusa_options(cfg) -> dict:
+    return {"draft_vocab": cfg.draft_vocab, "num_heads": cfg.num_heads, "own_lm_head": cfg.own_lm_head}
+
+
+def _medusa_build(model: nn.Module, **options) -> MedusaHeads:
+    heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, **options)
+    heads.init_lm_heads(model.get_output_embeddings())
+    return heads
+
+
+def _medusa_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
+    return losses.medusa_loss(module, hidden, tools.readout, batch["input_ids"], batch["loss_mask"],
+                              tools.options.num_heads, tools.to_draft)  # fmt: skip
+
+
+def _medusa_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Tensor]:
+    feats = head.features(hidden)
+    return [head.head_logits(k, feats[k - 1], tools.readout) for k in range(1, depths + 1)]
+
+
+def _unroll(cfg, step: int) -> int:
+    """Steps of the training-time test at optimizer step `step`."""
+    return cfg.unroll if step >= cfg.unroll_from_step else 1
+
+
+def _eagle_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
+    o = tools.options
+    loss, _ = losses.eagle_loss(module, hidden, tools.embed, tools.readout, batch["input_ids"], batch["loss_mask"],
+                                noise=o.feature_noise, ce_weight=o.ce_weight, unroll=_unroll(o, step))  # fmt: skip
+    return loss
+
+
+def _eagle_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Tensor]:
+    outs = losses.eagle_unroll(head, hidden[:, :-1], tools.embed(ids[:, 1:]), depths)  # out_k[s]: root s - k + 1
+    return [tools.readout(out[:, k - 1 :]) for k, out in enumerate(outs, 1)]  # re-indexed by root
+
+
+def _eagle3_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
+    return losses.eagle3_loss(module, hidden, tools.embed, head.logits, tools.target_readout, batch["input_ids"],
+                              batch["loss_mask"], _unroll(tools.options, step), tools.to_draft)  # fmt: skip
+
+
+def _eagle3_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Tensor]:
+    H = hidden.shape[-1] // 4  # the fused layers in, the head's own readout out
+    outs = losses.eagle_unroll(head, hidden[:, :-1, : 3 * H], tools.embed(ids[:, 1:]), depths)
+    return [head.logits(out[:, k - 1 :]).float() for k, out in enumerate(outs, 1)]
+
+
+MEDUSA = HeadKind(
+    "medusa", _medusa_build, "medusa", _medusa_loss, _medusa_depths, _medusa_options, static_tree=True,
+    export_refusal="medusa heads cannot be exported: vLLM and SGLang load EAGLE-3 heads (vLLM 0.33 removed Medusa; "
+    "SGLang never had it)",
+)  # fmt: skip
+MEDUSA2 = HeadKind(  # Medusa heads + the LoRA on the target they trained with (train/medusa2.py trains both)
+    "medusa2", _medusa_build, "medusa2", None, _medusa_depths, _medusa_options, static_tree=True, trains_target=True,
+    export_refusal="medusa2 heads cannot be exported: vLLM and SGLang load EAGLE-3 heads",
+)  # fmt: skip
+EAGLE = HeadKind(
+    "eagle", EagleHead.for_target, "eagle", _eagle_loss, _eagle_depths,
+    export_refusal="EAGLE-1 heads cannot be exported faithfully: their fc has a bias (vLLM drops it) and they "
+    "predict post-norm features; train an eagle3 head (heads.kind: eagle3)",
+)  # fmt: skip
+EAGLE3 = HeadKind(
+    "eagle3", Eagle3Head.for_target, "eagle3", _eagle3_loss, _eagle3_depths,
+    saved_options=lambda head: {"layers": list(head.feature_layers)},
+    prepare=lambda head, model: head.init_lm_head(model.get_output_embeddings()),
+    feature_layers=lambda head: (*head.feature_layers, -1),  # and the final feature, for p
+    export_refusal=None,
+)  # fmt: skip
+KINDS: dict[str, HeadKind] = {kind.name: kind for kind in (MEDUSA, MEDUSA2, EAGLE, EAGLE3)}
+
+
+def register(kind: HeadKind) -> HeadKind:
+    """Add a kind (a new one, or a test's); returns it."""
+    KINDS[kind.name] = kind
+    return kind
+
+
+def get_kind(name: str) -> HeadKind:
+    """The registered kind `name`, or a ValueError naming the kinds there are."""
+    if name not in KINDS:
+        raise ValueError(f"unknown head kind '{name}': choose one of {', '.join(KINDS)}")
+    return KINDS[name]
