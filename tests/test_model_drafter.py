@@ -187,10 +187,10 @@ def test_model_drafter_from_a_saved_directory(tiny_model_dir, tmp_path):
     assert isinstance(drafter, ModelDrafter) and drafter.depth == 3
     model.generation_config.eos_token_id = None
     assert assert_greedy_identity(model, drafter, PROMPTS) > 0
-    for bad, message in [({"draft_layers": None}, "--draft-layers"), ({"draft_layers": "0,x"}, "comma list")]:
+    for bad, message in [({"draft_layers": None}, "`draft_layers`"), ({"draft_layers": "0,x"}, "comma list")]:
         with pytest.raises(ValueError, match=message):
             make_drafter("layerskip", model, tokenizer, **bad)
-    with pytest.raises(ValueError, match="--draft-model"):
+    with pytest.raises(ValueError, match="`draft_model`"):
         make_drafter("model", model, tokenizer)
     tree = make_drafter("layerskip", model, tokenizer, draft_layers=1, top_k=3, budget=8)
     assert (tree.top_k, tree.budget, tree.depth) == (3, 8, 4)  # depth: the chain's default

@@ -117,6 +117,10 @@ def test_cli_errors(tmp_path, capsys, tiny_model_dir):
     cfg.write_text(f"output_dir: {blocker}/sub\n")
     assert train_heads.main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err
+    assert "data.path is required" in err and err.count("\n") == 1  # no cwd-relative default
+    cfg.write_text(f"output_dir: {blocker}/sub\ndata:\n  path: {tmp_path}\n")
+    assert train_heads.main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
     assert "is not writable" in err and err.count("\n") == 1
     smoke = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
     assert train_heads.main(["--config", smoke, "heads.kind=eagle", "heads.unroll=0"]) == 2

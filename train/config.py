@@ -50,7 +50,7 @@ class HeadsConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "runs/distill/smollm2"  # distilled shards (train/distill.py output)
+    path: str = ""  # distilled shards (train/distill.py output): required
     sources: list[str] = field(default_factory=list)  # more distilled folders, read with `path` as one (read-only)
     distill_prompts: str = ""  # if set and `path` holds no shards: distill these prompts first
     distill_limit: int = 256  # rows to distill then
@@ -76,7 +76,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "runs/heads"
+    output_dir: str = ""  # checkpoints, metrics and the trained heads: required
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)

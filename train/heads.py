@@ -358,6 +358,9 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
     if not kinds or any(k not in KINDS for k in kinds):
         raise ConfigError(f"heads.kind must be one of {', '.join(KINDS)} or a comma list; got '{cfg.heads.kind}'")
     lora = [k for k in kinds if KINDS[k].trains_target]  # Medusa-2: a LoRA on the target trains too
+    for key, value in (("output_dir", cfg.output_dir), ("data.path", cfg.data.path)):
+        if not value:
+            raise ConfigError(f"{key} is required (a folder; the configs in configs/ set it)")
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
     if lora and cfg.data.features:
