@@ -290,10 +290,10 @@ def test_an_api_key_lets_in_only_its_users(tiny_model_dir, tmp_path, capsys):
 
 
 def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, capsys):
-    from headstart.commands import serving
+    from headstart.commands import common
 
     monkeypatch.delenv("HEADSTART_API_KEY", raising=False)
-    monkeypatch.setattr(serving, "load_engine", lambda args: (_ for _ in ()).throw(serving.UserError("stop here")))
+    monkeypatch.setattr(common, "load_engine", lambda args: (_ for _ in ()).throw(common.UserError("stop here")))
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert "without an API key" in err and err.count("\n") == 2

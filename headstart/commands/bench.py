@@ -6,34 +6,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from headstart.commands.common import (
-    FLAGS,
-    SPEC_BENCH,
-    TEST_PROMPTS,
-    UserError,
-    add_adapter_args,
-    add_model_args,
-    add_prepack_arg,
-    add_profile_arg,
-    add_tree_args,
-    at_least_one,
-    bench_prompts,
-    check_lengths,
-    flag_values,
-    has_cuda,
-    sampling_params,
-    seed_value,
-)
+from headstart.commands import common
 from headstart.runtime.drafters.registry import names
 from headstart.runtime.models import DEFAULT_MODEL
 
 
 def add_parsers(sub) -> None:
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
-    add_model_args(b, "bfloat16")
-    add_prepack_arg(b)
-    add_adapter_args(b)
-    b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
+    common.add_model_args(b, "bfloat16")
+    common.add_prepack_arg(b)
+    common.add_adapter_args(b)
+    b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {common.SPEC_BENCH})")
     b.add_argument("--methods", default="plain,hf,lookup",
                    help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
                    f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH")  # fmt: skip
@@ -46,13 +29,13 @@ def add_parsers(sub) -> None:
                    help="compare heads side by side (repeatable): each method of their kind runs as METHOD@LABEL, "
                    "beside METHOD@shipped; DIR: headstart heads or a published layout (Medusa, EAGLE, "
                    "EAGLE-3)")  # fmt: skip
-    add_tree_args(b)
-    add_profile_arg(b)
+    common.add_tree_args(b)
+    common.add_profile_arg(b)
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
     b.add_argument("--categories", default=None, help="comma list (default: all six; mt_bench = the 8 of MT-bench)")
     b.add_argument("--limit-per-category", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--seed", type=seed_value, default=0)
+    b.add_argument("--seed", type=common.seed_value, default=0)
     b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
     b.add_argument(
         "--breakdown",
@@ -71,9 +54,11 @@ def add_parsers(sub) -> None:
 
     ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
     ck.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, HF model directory or .gguf file")
-    ck.add_argument("--device", default="cuda" if has_cuda() else "cpu", help="cuda, cpu ...")
-    ck.add_argument("--prompts", default=TEST_PROMPTS, help="JSONL prompt file (default: the project's test prompts)")
-    ck.add_argument("--max-new-tokens", type=at_least_one, default=48)
+    ck.add_argument("--device", default="cuda" if common.has_cuda() else "cpu", help="cuda, cpu ...")
+    ck.add_argument(
+        "--prompts", default=common.TEST_PROMPTS, help="JSONL prompt file (default: the project's test prompts)"
+    )
+    ck.add_argument("--max-new-tokens", type=common.at_least_one, default=48)
     ck.add_argument("--out", default="bench-results", help="folder for the bench records")
     ck.set_defaults(run=cmd_check)
 
@@ -84,9 +69,9 @@ def _labelled_heads(entries: list[str]) -> dict[str, str]:
     for entry in entries:
         label, eq, directory = entry.partition("=")
         if not eq or not label or not directory or any(c in label for c in "@,= "):
-            raise UserError(f"--heads takes LABEL=DIR (a label without @ , = or spaces), got {entry!r}")
+            raise common.UserError(f"--heads takes LABEL=DIR (a label without @ , = or spaces), got {entry!r}")
         if label in labelled:
-            raise UserError(f"--heads: the label {label} is given twice")
+            raise common.UserError(f"--heads: the label {label} is given twice")
         labelled[label] = directory
     return labelled
 
@@ -100,28 +85,28 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.runtime import bench
     from headstart.runtime.engine import Engine
 
-    check_lengths(args)
+    common.check_lengths(args)
     try:
         temperatures = [float(t) for t in args.temperature.split(",")]
     except ValueError as e:
-        raise UserError(f"--temperature takes a comma list of numbers: {e}") from e
+        raise common.UserError(f"--temperature takes a comma list of numbers: {e}") from e
     for t in temperatures:
-        sampling_params(t)
+        common.sampling_params(t)
     if args.limit_per_category is not None and args.limit_per_category < 1:
-        raise UserError("--limit-per-category must be >= 1")
+        raise common.UserError("--limit-per-category must be >= 1")
     if args.breakdown_doc and not args.breakdown:
-        raise UserError("--breakdown-doc needs --breakdown")
-    prompts = bench_prompts(args.prompts)
+        raise common.UserError("--breakdown-doc needs --breakdown")
+    prompts = common.bench_prompts(args.prompts)
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    options = flag_values(args, [k for k in FLAGS if k not in ("heads", "budget")])
+    options = common.flag_values(args, [k for k in common.FLAGS if k not in ("heads", "budget")])
     options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads,
                         "medusa2": args.medusa2_heads}  # fmt: skip
     labelled = _labelled_heads(args.heads or [])
     methods = bench.label_methods(methods, labelled, args.model)
     unused = sorted(set(labelled) - {m.partition(bench.LABEL_SEP)[2] for m in methods})
     if unused:
-        raise UserError(f"--heads {unused[0]}=...: no method in --methods runs heads of its kind")
+        raise common.UserError(f"--heads {unused[0]}=...: no method in --methods runs heads of its kind")
     options["labelled_heads"] = labelled
     bench.method_options(methods, options)  # every method and option checked before the model loads
     engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge,
@@ -154,5 +139,5 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.runtime.check import run_check
 
     if not Path(args.prompts).is_file():
-        raise UserError(f"prompts file not found: {args.prompts} (run from a checkout, or pass --prompts FILE)")
+        raise common.UserError(f"prompts file not found: {args.prompts} (run from a checkout, or pass --prompts FILE)")
     return run_check(args.model, args.device, args.prompts, max_new_tokens=args.max_new_tokens, out=args.out)

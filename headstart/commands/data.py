@@ -7,17 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from headstart.commands.common import (
-    SPEC_BENCH,
-    UserError,
-    add_adapter_args,
-    add_model_args,
-    at_least_one,
-    check_lengths,
-    given_api_key,
-    sampling_params,
-    seed_value,
-)
+from headstart.commands import common
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
 from headstart.runtime.prompts import load_prompts
 from headstart.train.distill import BACKENDS, DERIVED
@@ -25,8 +15,8 @@ from headstart.train.distill import BACKENDS, DERIVED
 
 def add_parsers(sub) -> None:
     ds = sub.add_parser("distill", help="self-distillation: the target answers training prompts (resumable)")
-    add_model_args(ds, "bfloat16")
-    add_adapter_args(ds)
+    common.add_model_args(ds, "bfloat16")
+    common.add_adapter_args(ds)
     ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
     ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")
     ds.add_argument("--permissive-only", action="store_true", help="only rows with permissive: true")
@@ -50,14 +40,14 @@ def add_parsers(sub) -> None:
     ds.add_argument("--engine", default=None, metavar="URL",
                     help="answer on this OpenAI-compatible server (vLLM, SGLang, headstart serve), not locally; "
                     "--model is the target it must serve (checked on a probe prompt)")  # fmt: skip
-    ds.add_argument("--concurrency", type=at_least_one, default=16, help="--engine: requests in flight")
+    ds.add_argument("--concurrency", type=common.at_least_one, default=16, help="--engine: requests in flight")
     ds.add_argument("--api-key", default=None, metavar="KEY",
                     help="--engine: the server's key (default: $HEADSTART_API_KEY)")  # fmt: skip
     ds.add_argument("--retries", type=int, default=5, help="--engine: retries of a failed request, with backoff")
     ds.add_argument(
         "--no-model-check", action="store_true", help="--engine: skip the probe that the server serves --model"
     )
-    ds.add_argument("--seed", type=seed_value, default=0)
+    ds.add_argument("--seed", type=common.seed_value, default=0)
     ds.set_defaults(run=cmd_distill)
 
     dr = sub.add_parser("drift", help="how far a LoRA adapter (Medusa-2 heads' own) moves the model's answers")
@@ -68,8 +58,8 @@ def add_parsers(sub) -> None:
     dr.add_argument("--prompts", default=None,
                     help="JSONL prompt file (default: the prompts the heads' training run held out)")  # fmt: skip
     dr.add_argument("--data", default=None, help="the training run's distilled data, if it moved")
-    dr.add_argument("--limit", type=at_least_one, default=20, help="prompts")
-    dr.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    dr.add_argument("--limit", type=common.at_least_one, default=20, help="prompts")
+    dr.add_argument("--max-new-tokens", type=common.at_least_one, default=128)
     dr.add_argument("--out", default="bench-results", help="folder for the JSON results")
     dr.set_defaults(run=cmd_drift)
 
@@ -79,7 +69,7 @@ def add_parsers(sub) -> None:
     r.set_defaults(run=cmd_report)
 
 
-HELD_OUT = ("configs/tune-prompts.jsonl", "configs/tune-derived.jsonl", SPEC_BENCH)  # never distilled
+HELD_OUT = ("configs/tune-prompts.jsonl", "configs/tune-derived.jsonl", common.SPEC_BENCH)  # never distilled
 
 
 def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
@@ -87,19 +77,19 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.train.distill import compare_backends, derived_prompts, distill
     from headstart.train.sources import answered_ids, file_sha, held_out
 
-    check_lengths(args)
-    sampling_params(args.temperature)
+    common.check_lengths(args)
+    common.sampling_params(args.temperature)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
-        raise UserError("--batch-size and --limit must be >= 1")
+        raise common.UserError("--batch-size and --limit must be >= 1")
     if args.retries < 0:
-        raise UserError(f"--retries must be >= 0, got {args.retries}")
+        raise common.UserError(f"--retries must be >= 0, got {args.retries}")
     for folder in args.also:
         if not Path(folder).is_dir():
-            raise UserError(f"--also {folder}: no such folder")
+            raise common.UserError(f"--also {folder}: no such folder")
     exclude = args.exclude if args.exclude is not None else [f for f in HELD_OUT if Path(f).is_file()]
     for f in exclude:
         if not Path(f).is_file():
-            raise UserError(f"--exclude {f}: no such file")
+            raise common.UserError(f"--exclude {f}: no such file")
     if args.derive is None:
         prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
                                skip_malformed=True)  # fmt: skip
@@ -124,7 +114,7 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
         stats = distill_with_engine(args.engine, model, tokenizer, prompts, args.out, args.max_new_tokens,
                                     args.temperature, args.concurrency, args.seed, args.retries,
                                     check_model=not args.no_model_check,
-                                    api_key=given_api_key(args))  # fmt: skip
+                                    api_key=common.given_api_key(args))  # fmt: skip
     else:
         stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                         seed=args.seed, backend=args.backend, skip_ids=answered_ids(args.also),

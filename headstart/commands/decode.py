@@ -6,18 +6,7 @@ import argparse
 import json
 import sys
 
-from headstart.commands.common import (
-    UserError,
-    add_adapter_args,
-    add_drafter_args,
-    add_model_args,
-    add_prepack_arg,
-    add_profile_arg,
-    check_lengths,
-    load_engine,
-    sampling_params,
-    seed_value,
-)
+from headstart.commands import common
 from headstart.runtime.demo import DEFAULT_DRAFTER
 from headstart.runtime.drafters.registry import names, parse_spec
 from headstart.runtime.prompts import Prompt, load_prompts
@@ -25,47 +14,47 @@ from headstart.runtime.prompts import Prompt, load_prompts
 
 def add_parsers(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt or a prompt file")
-    add_model_args(g, "float32")
-    add_prepack_arg(g)
-    add_adapter_args(g)
+    common.add_model_args(g, "float32")
+    common.add_prepack_arg(g)
+    common.add_adapter_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", help="JSONL rows with 'turns' (the first turn is used) or 'prompt'")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    add_drafter_args(g)
+    common.add_drafter_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=seed_value, default=0)
+    g.add_argument("--seed", type=common.seed_value, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(run=cmd_generate)
 
     d = sub.add_parser("demo", help="plain vs speculative decoding on built-in prompts")
-    add_model_args(d, "float32")
-    add_prepack_arg(d)
+    common.add_model_args(d, "float32")
+    common.add_prepack_arg(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--drafter", default=DEFAULT_DRAFTER, metavar="SPEC",
                    help=f"the speculative side: {', '.join(names())} (trained ones use the heads shipped for "
                    f"--model; default {DEFAULT_DRAFTER})")  # fmt: skip
-    add_profile_arg(d)
+    common.add_profile_arg(d)
     d.set_defaults(run=cmd_demo)
 
 
 def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
-    check_lengths(args)
-    sampling = sampling_params(args.temperature, args.top_k, args.top_p)
+    common.check_lengths(args)
+    sampling = common.sampling_params(args.temperature, args.top_k, args.top_p)
     if args.prompt is not None:
         if not args.prompt.strip():
-            raise UserError("empty --prompt")
+            raise common.UserError("empty --prompt")
         prompts = [Prompt("0", "", args.prompt)]
     else:
         prompts = load_prompts(args.prompts_file)
 
     from headstart.runtime.generate import GenerationStats
 
-    engine = load_engine(args)
+    engine = common.load_engine(args)
     for prompt in prompts:
         prompt_ids = engine.encode(prompt.text, chat=not args.raw)
         options = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)

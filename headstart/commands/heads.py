@@ -6,11 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from headstart.commands.common import (
-    UserError,
-    add_model_args,
-    at_least_one,
-)
+from headstart.commands import common
 from headstart.runtime.models import DEFAULT_MODEL
 from headstart.runtime.prompts import load_prompts
 
@@ -40,9 +36,9 @@ def add_parsers(sub) -> None:
     )
     cb.add_argument("heads", help="a headstart heads directory (`headstart convert` published heads first)")
     cb.add_argument("--prompts", required=True, help="JSONL prompt file (chat prompts, as serving sees them)")
-    add_model_args(cb, "float32")
-    cb.add_argument("--limit", type=at_least_one, default=64, help="prompts to answer (default 64)")
-    cb.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    common.add_model_args(cb, "float32")
+    cb.add_argument("--limit", type=common.at_least_one, default=64, help="prompts to answer (default 64)")
+    cb.add_argument("--max-new-tokens", type=common.at_least_one, default=128)
     cb.set_defaults(run=cmd_calibrate)
 
 
@@ -79,11 +75,11 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.train.evaluate import measure
 
     if detect_layout(args.heads) != "headstart":
-        raise UserError(f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then "
+        raise common.UserError(f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then "
                         "calibrate OUT")  # fmt: skip
     config = HeadsConfig.read(args.heads)
     if not Path(args.prompts).is_file():
-        raise UserError(f"prompts file not found: {args.prompts}")
+        raise common.UserError(f"prompts file not found: {args.prompts}")
     prompts = load_prompts(args.prompts)[: args.limit]
     kind = get_kind(config.kind)
     adapter = args.heads if kind.trains_target else None  # Medusa-2 heads draft for base + their adapter

@@ -8,26 +8,16 @@ import json
 import sys
 from pathlib import Path
 
-from headstart.commands.common import (
-    SPEC_BENCH,
-    UserError,
-    add_adapter_args,
-    add_drafter_args,
-    add_model_args,
-    add_prepack_arg,
-    bench_prompts,
-    given_api_key,
-    load_engine,
-)
+from headstart.commands import common
 from headstart.runtime.prompts import load_prompts
 
 
 def add_parsers(sub) -> None:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
-    add_model_args(sv, "bfloat16")
-    add_prepack_arg(sv)
-    add_adapter_args(sv)
-    add_drafter_args(sv)
+    common.add_model_args(sv, "bfloat16")
+    common.add_prepack_arg(sv)
+    common.add_adapter_args(sv)
+    common.add_drafter_args(sv)
     sv.add_argument("--served-model-name", default=None,
                     help="the `model` clients pass (default: --model's last path part, never a path)")  # fmt: skip
     sv.add_argument("--max-body-mb", type=float, default=None, help="largest request body, larger gets 413 (default 4)")
@@ -53,7 +43,7 @@ def add_parsers(sub) -> None:
     lt.add_argument("--clients", default="1,4,16", help="comma list of concurrency levels")
     lt.add_argument("--requests-per-client", type=int, default=2)
     lt.add_argument("--max-tokens", type=int, default=64)
-    lt.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {SPEC_BENCH})")
+    lt.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {common.SPEC_BENCH})")
     lt.add_argument("--out", default=None, help="also write the results as JSON here")
     lt.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                     help="instead: a soak of valid, malformed, disconnecting and oversized requests from --clients "
@@ -76,25 +66,25 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.runtime.server.app import ServeConfig, build_app
 
     if not 0 < args.port < 65536:
-        raise UserError(f"--port must be in 1..65535, got {args.port}")
+        raise common.UserError(f"--port must be in 1..65535, got {args.port}")
     for flag, value in (("--max-queue", args.max_queue), ("--time-limit", args.time_limit)):
         if value is not None and value <= 0:
-            raise UserError(f"{flag} must be > 0, got {value}")
+            raise common.UserError(f"{flag} must be > 0, got {value}")
     if args.step_aside_queue is not None and args.step_aside_queue < 0:
-        raise UserError(f"--step-aside-queue must be >= 0, got {args.step_aside_queue}")
+        raise common.UserError(f"--step-aside-queue must be >= 0, got {args.step_aside_queue}")
     options = {"max_queue": args.max_queue, "time_limit_s": args.time_limit, "step_aside_queue": args.step_aside_queue,
                "min_acceptance": args.min_acceptance}  # fmt: skip
     if args.max_body_mb is not None:
         if args.max_body_mb <= 0:
-            raise UserError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+            raise common.UserError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
         options["max_body_bytes"] = int(args.max_body_mb * (1 << 20))
     config = ServeConfig(served_name(args.model, args.served_model_name),
                          **{k: v for k, v in options.items() if v is not None})  # fmt: skip
-    api_key = given_api_key(args)
+    api_key = common.given_api_key(args)
     if api_key is None and args.host not in LOOPBACK:
         print(f"headstart: warning: serving on {args.host} without an API key: anyone who reaches it can use it "
               "(--api-key or HEADSTART_API_KEY)", file=sys.stderr)  # fmt: skip
-    engine = load_engine(args)
+    engine = common.load_engine(args)
     auth = "an API key required" if api_key else "no API key"
     print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1, {auth} "
           f"({dataclasses.asdict(config)})", file=sys.stderr)  # fmt: skip
@@ -112,15 +102,15 @@ def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         levels = [int(c) for c in args.clients.split(",")]
     except ValueError as e:
-        raise UserError(f"--clients takes a comma list of integers: {e}") from e
+        raise common.UserError(f"--clients takes a comma list of integers: {e}") from e
     if min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
-        raise UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
-    prompts = [p.text for p in load_prompts(bench_prompts(args.prompts))]
-    api_key = given_api_key(args)
+        raise common.UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
+    prompts = [p.text for p in load_prompts(common.bench_prompts(args.prompts))]
+    api_key = common.given_api_key(args)
     try:
         health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
     except (httpx.HTTPError, ValueError) as e:
-        raise UserError(f"no headstart server at {args.url}: {e}") from e
+        raise common.UserError(f"no headstart server at {args.url}: {e}") from e
     if args.soak is not None:
         result = loadtest.soak(args.url, health["model"], prompts, args.soak, max(levels), api_key=api_key)
         print(json.dumps(result, indent=2))
