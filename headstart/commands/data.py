@@ -119,11 +119,9 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
         stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                         seed=args.seed, backend=args.backend, skip_ids=answered_ids(args.also),
                         prepack=not args.no_prepack, source=source)  # fmt: skip
-    print(
-        f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
-        f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s",
-        file=sys.stderr,
-    )
+    summary = (f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
+               f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s")  # fmt: skip
+    print(summary, file=sys.stderr)
     return 0
 
 
