@@ -115,15 +115,24 @@ def vllm_commands(out_dir: Path, target: str, fmt: str, steps: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prepare_out_dir(out_dir: Path) -> Path:
-    """A temporary folder beside `out_dir` (which must not exist, or be empty)."""
+def write_new_dir(out_dir: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` into a temporary folder beside `out_dir` (which must not exist, or be empty), then moved into
+    place: a failed write leaves nothing."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir} exists and is not empty: choose a new folder")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     except OSError as e:
         raise ExportError(f"cannot write into {out_dir.parent}: {e.strerror}") from e
+    try:
+        write(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
 
 
 def export_heads(
@@ -177,14 +186,10 @@ def export_heads(
             **aux,
         }
         tensors = engine_weights(weights, target["vocab_size"], "layers.0.")
-    tmp = prepare_out_dir(out_dir)
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(files_config, indent=2) + "\n")
         (tmp / "README.md").write_text(vllm_commands(out_dir.resolve(), verifier, fmt))
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return write_new_dir(out_dir, write)

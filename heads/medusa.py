@@ -49,11 +49,8 @@ class MedusaHeads(nn.Module):
         # One module per head: `[ResBlock(h)] * K` would tie them all to one set of weights.
         # One block is kept unwrapped (`blocks.{k}.linear.*`): the names every checkpoint so far was saved under.
         def head() -> nn.Module:
-            return (
-                ResBlock(hidden_size)
-                if num_layers == 1
-                else nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
-            )
+            blocks = [ResBlock(hidden_size) for _ in range(num_layers)]
+            return blocks[0] if num_layers == 1 else nn.Sequential(*blocks)
 
         self.blocks = nn.ModuleList(head() for _ in range(num_heads))
         self.lm_heads = (

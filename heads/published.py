@@ -39,8 +39,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from headstart.heads.checkpoint import HeadsConfig, save_heads, target_fingerprint
+from headstart.heads.checkpoint import HeadsConfig, build_heads, save_heads, target_fingerprint
 from headstart.heads.eagle3 import LAYER_OVERRIDES, draft_config, engine_feature_layers
+from headstart.heads.export import write_new_dir
 
 LAYOUTS = ("medusa", "eagle", "eagle3-authors", "eagle3-specforge", "eagle3-speculators")
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -354,12 +355,8 @@ def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "
 
 
 def convert_heads(src: str | Path, out: str | Path, model: nn.Module, tokenizer=None) -> Path:
-    """Write the published heads in `src` to `out` as a headstart heads directory bound to `model`."""
-    from headstart.heads.checkpoint import build_heads
-
+    """Write the published heads in `src` to `out` (a new folder) as a headstart heads directory bound to `model`."""
     src, out = Path(src), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise PublishedHeadsError(f"{out} exists and is not empty: choose a new folder")
     config, weights = adopt(read_published(src), model, tokenizer, str(src))
     heads = build_heads(config.kind, model, **config.options)
     missing, unexpected = heads.load_state_dict(weights, strict=False)
@@ -367,4 +364,5 @@ def convert_heads(src: str | Path, out: str | Path, model: nn.Module, tokenizer=
         raise PublishedHeadsError(f"{src}: tensors missing {missing[:3]} / unexpected {unexpected[:3]}")
     dtype = str(next(t for t in weights.values() if t.is_floating_point()).dtype).removeprefix("torch.")
     extra = {k: v for k, v in config.to_json().items() if k not in ("kind", "target", "options")}
-    return save_heads(out, heads, config.kind, config.options, config.target, {**extra, "dtype": dtype})
+    return write_new_dir(out, lambda tmp: save_heads(tmp, heads, config.kind, config.options, config.target,
+                                                     {**extra, "dtype": dtype}))  # fmt: skip

@@ -142,17 +142,18 @@ def method_spec(method: str) -> str:
 
 
 def label_methods(methods: list[str], labelled: dict[str, str], model_name: str | None) -> list[str]:
-    """With heads given as {label: directory}: each method whose drafter runs heads of a kind some of them are
-    (`heads.published.heads_kind`) becomes METHOD@LABEL for each such label, and METHOD@shipped first where
+    """With heads given as {label: directory}: each method whose drafter is the one their kind names
+    (heads/kinds.py) becomes METHOD@LABEL for each such label, and METHOD@shipped first where
     heads of that kind are shipped for `model_name` (unless a label says `shipped` itself)."""
+    from headstart.heads.kinds import get_kind
     from headstart.heads.published import heads_kind
     from headstart.runtime.drafters.registry import heads_dir
 
-    kinds = {label: heads_kind(directory) for label, directory in labelled.items()}
+    drafters = {label: get_kind(heads_kind(directory)).drafter for label, directory in labelled.items()}
     out = []
     for m in methods:
         base = parse_spec(method_spec(m)).base if m not in HF_METHODS else None
-        labels = [label for label, kind in kinds.items() if kind == base]
+        labels = [label for label, drafter in drafters.items() if drafter == base]
         if not labels:
             out.append(m)
             continue
