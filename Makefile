@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/headstart demo
 
+# the tests spread over every core (pytest-xdist; tests/conftest.py gives each worker its share of the threads)
+PYTEST_WORKERS ?= -n auto --dist worksteal
 # the exactness tests run twice: with the fast path (prepacked kernels, padded trees; the default) and without it
 EXACTNESS_TESTS = tests/test_target.py tests/test_drafter_contract.py tests/test_architectures.py \
 	tests/test_smollm2.py tests/test_eagle.py tests/test_medusa.py tests/test_eagle3.py tests/test_adapters.py
@@ -27,8 +29,8 @@ EXACTNESS_TESTS = tests/test_target.py tests/test_drafter_contract.py tests/test
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
-	$(BIN)/python -m pytest -q --no-prepack $(EXACTNESS_TESTS) -k "not sampling_follows_the_target and not sampling_first_three and not published_layouts"
+	$(BIN)/python -m pytest $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest $(PYTEST_WORKERS) -q --no-prepack $(EXACTNESS_TESTS) -k "not sampling_follows_the_target and not sampling_first_three and not published_layouts"
 
 bench: install
 	$(BIN)/headstart bench --categories summarization,rag --limit-per-category 10 --methods plain,hf,hf-lookup,lookup

@@ -40,9 +40,10 @@ class HeadsMismatchError(ValueError):
 def target_fingerprint(model: nn.Module, tokenizer=None, name: str | None = None) -> dict:
     config = model.config
     lm_head = model.get_output_embeddings().weight.detach()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a live peft adapter: its model
     fp = {
         "name": name or getattr(config, "name_or_path", "") or "unnamed",
-        "architecture": type(model).__name__,
+        "architecture": type(base).__name__,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "num_layers": config.num_hidden_layers,

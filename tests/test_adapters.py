@@ -16,8 +16,9 @@ from headstart.heads.checkpoint import HeadsMismatchError, load_heads, save_head
 from headstart.runtime.adapters import adapter_sha
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.models import load_model
-from helpers.exactness import assert_greedy_identity, random_heads
+from helpers.exactness import assert_greedy_identity, assert_trained_heads_speculate, fit_heads, random_heads
 from helpers.models import WORDS, tiny_llama
+from helpers.training import greedy_rows
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [10, 11, 12, 13, 10, 11], [20, 21]]
 
@@ -50,22 +51,33 @@ def test_merged_and_live_adapters_give_the_same_logits(tiny_model_dir, adapters)
     assert merged.config.headstart_adapter == live.config.headstart_adapter == adapter_sha(adapters["a"])
 
 
+@pytest.fixture(scope="module")
+def adapted_heads(tiny_model_dir, adapters, tmp_path_factory):
+    """Heads of each kind trained (by the trainer, `target.adapter`) on the adapted model's own greedy answers."""
+    root = tmp_path_factory.mktemp("adapted-heads")
+    model, _ = load_model(str(tiny_model_dir), adapter=adapters["a"])
+    rows = greedy_rows(model, [*PROMPTS, [7, 8, 9, 30, 31]], 24)
+    return {kind: str(fit_heads(root / kind, tiny_model_dir, kind, rows, **{"target.adapter": adapters["a"],
+                                                                             "heads.draft_vocab": 0}))
+            for kind in ("medusa", "eagle", "eagle3")}  # fmt: skip
+
+
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "live"])
-def test_greedy_identity_on_an_adapted_target(tiny_model_dir, adapters, tmp_path, merge):
-    """Every drafter gives the adapted model's own greedy tokens (transformers' generate of the peft model)."""
+def test_greedy_identity_on_an_adapted_target(tiny_model_dir, adapters, adapted_heads, merge):
+    """Every drafter gives the adapted model's own greedy tokens (transformers' generate of the peft model); heads
+    trained for it are accepted, several branches a round."""
     model, tokenizer = load_model(str(tiny_model_dir), adapter=adapters["a"], merge_adapter=merge)
     model.generation_config.eos_token_id = None
-    options = {}
-    for kind in ("medusa", "eagle"):
-        heads = random_heads(kind, model, 0.05, **({"num_heads": 2} if kind == "medusa" else {}))
-        extra = {"rank_accuracy": [[0.6, 0.2], [0.4]], "dtype": "float32"}
-        options_saved = {"num_heads": 2} if kind == "medusa" else {}
-        save_heads(tmp_path / kind, heads, kind, options_saved, target_fingerprint(model, tokenizer), extra)
-        options[kind] = {"heads": str(tmp_path / kind)}
-    for name in ("none", "lookup", "medusa", "eagle"):
-        drafter = make_drafter(name, model, tokenizer, **options.get(name, {}))
-        accepted = assert_greedy_identity(model, drafter, PROMPTS, max_new_tokens=24)
-        assert name != "none" or accepted == 0
+    trees = {"medusa": {"budget": 12}, "eagle": {"top_k": 3, "depth": 4, "budget": 12}}
+    trees["eagle3"] = trees["eagle"]
+    for name in ("none", "lookup", *(f"{kind}{graft}" for kind in adapted_heads for graft in ("", "+lookup"))):
+        kind = name.removesuffix("+lookup")
+        options = {"heads": adapted_heads[kind], **trees[kind]} if kind in adapted_heads else {}
+        drafter = make_drafter(name, model, tokenizer, **options)
+        seen = assert_greedy_identity(model, drafter, PROMPTS, max_new_tokens=24)
+        assert name != "none" or seen.accepted == 0
+        if kind in adapted_heads:
+            assert_trained_heads_speculate(seen, name, "merged" if merge else "live")
 
 
 def test_heads_are_bound_to_their_adapter(tiny_model_dir, adapters, tmp_path):

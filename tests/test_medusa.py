@@ -84,3 +84,18 @@ def test_tree_is_sampled_above_temperature_zero_only():
             for parent in set(tree.parents):
                 kids = [t for t, p in zip(tree.tokens, tree.parents, strict=True) if p == parent]
                 assert len(kids) == len(set(kids))
+
+
+def test_heads_never_right_on_held_out_rows_draft_from_the_prior(tmp_path):
+    """Accuracies measured as 0 at every rank would choose an empty tree: the prior's tree, with a warning."""
+    from headstart.heads.checkpoint import save_heads, target_fingerprint
+    from headstart.runtime.drafters.registry import make_drafter
+    from headstart.runtime.tree import prior_rank_accuracy
+
+    model = tiny_llama(vocab_size=64)
+    heads = random_heads("medusa", model, 0.3, num_heads=2)
+    extra = {"rank_accuracy": [[0.0, 0.0], [0.0, 0.0]], "dtype": "float32"}
+    save_heads(tmp_path, heads, "medusa", {"num_heads": 2}, target_fingerprint(model), extra)
+    with pytest.warns(UserWarning, match="measured 0 for every rank: their tree comes from a prior"):
+        drafter = make_drafter("medusa", model, None, heads=str(tmp_path), budget=5)
+    assert drafter.shape == choose_tree_shape(prior_rank_accuracy(2), 5) and len(drafter.shape) == 5

@@ -140,7 +140,7 @@ def test_greedy_identity_draft_trees():
         ModelDrafter.layerskip(model, [0], TreeOptions(depth=4, top_k=3, budget=10)),
         ModelDrafter(first_layer_copy(model), TreeOptions(depth=3, top_k=2, budget=6)),
     ):
-        assert assert_greedy_identity(model, drafter, PROMPTS) > 0
+        assert assert_greedy_identity(model, drafter, PROMPTS).accepted > 0
 
 
 def test_sampling_with_draft_trees_follows_plain_sampling():
@@ -186,7 +186,7 @@ def test_model_drafter_from_a_saved_directory(tiny_model_dir, tmp_path):
     drafter = make_drafter("model", model, tokenizer, draft_model=str(draft_dir), depth=3)
     assert isinstance(drafter, ModelDrafter) and drafter.depth == 3
     model.generation_config.eos_token_id = None
-    assert assert_greedy_identity(model, drafter, PROMPTS) > 0
+    assert assert_greedy_identity(model, drafter, PROMPTS).accepted > 0
     for bad, message in [({"draft_layers": None}, "`draft_layers`"), ({"draft_layers": "0,x"}, "comma list")]:
         with pytest.raises(ValueError, match=message):
             make_drafter("layerskip", model, tokenizer, **bad)

@@ -115,10 +115,11 @@ def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Draft
 
     module, config = _trained(kind, options, ctx)
     accuracy = config.rank_accuracy
-    if not accuracy:  # published heads: no measured accuracies
+    if not any(acc > 0 for depth in accuracy or [] for acc in depth):  # published heads; or none ever right
+        why = "carry no measured per-rank accuracies" if not accuracy else "measured 0 for every rank"
         accuracy = prior_rank_accuracy(module.num_heads)
-        warnings.warn(f"the {kind} heads carry no measured per-rank accuracies: their tree comes from a prior "
-                      "(runtime/tree.py, prior_rank_accuracy)", stacklevel=2)  # fmt: skip
+        warnings.warn(f"the {kind} heads {why}: their tree comes from a prior (runtime/tree.py, "
+                      "prior_rank_accuracy)", stacklevel=2)  # fmt: skip
     shape = choose_tree_shape(accuracy, options.budget)
     drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, _readout_limit(options, config))
     drafter.name = kind

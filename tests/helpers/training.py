@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import torch
+
 from headstart.train.config import load_config
 from helpers.models import WORDS
 
@@ -22,8 +24,25 @@ def write_shards(path, n_rows=40, seed=0):
             f.write(json.dumps({"id": str(i), "category": "x", "prompt_ids": prompt, "response_ids": response}) + "\n")
 
 
+def write_rows(path, rows: list[tuple[list[int], list[int]]]) -> None:
+    """(prompt ids, response ids) pairs as one distilled shard."""
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / "shard-00000.jsonl").open("w") as f:
+        for i, (prompt, response) in enumerate(rows):
+            f.write(json.dumps({"id": str(i), "category": "x", "prompt_ids": prompt, "response_ids": response}) + "\n")
+
+
+def greedy_rows(model, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The model's own greedy continuations of `prompts`: what distillation would write for it."""
+    rows = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+        rows.append((prompt, out[0, len(prompt) :].tolist()))
+    return rows
+
+
 def make_cfg(tmp_path, model_dir, kind="medusa", **extra):
-    data = tmp_path / "data"
+    data = extra.pop("data.path", tmp_path / "data")
     if not data.exists():
         write_shards(data)
     overrides = [
