@@ -52,8 +52,8 @@ def _generate(model, ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def run_check(model_name: str, device: str, prompts_file: str, identity_prompts: int = 5, bench_prompts: int = 12,
-              max_new_tokens: int = 48, out: str = "bench-results") -> int:  # fmt: skip
+def run_check(model_name: str, device: str, prompts_file: str, identity_prompts: int, bench_prompts: int,
+              max_new_tokens: int, out: str) -> int:  # fmt: skip
     t0 = time.perf_counter()
     prompts = load_prompts(prompts_file, limit=max(identity_prompts, bench_prompts))
     print(f"headstart check: {model_name} on {device} ({torch.__version__})", flush=True)

@@ -59,6 +59,8 @@ def add_parsers(sub) -> None:
         "--prompts", default=common.TEST_PROMPTS, help="JSONL prompt file (default: the project's test prompts)"
     )
     ck.add_argument("--max-new-tokens", type=common.at_least_one, default=48)
+    ck.add_argument("--identity-prompts", type=common.at_least_one, default=5, help="prompts of the identity check")
+    ck.add_argument("--bench-prompts", type=common.at_least_one, default=12, help="prompts of the short bench")
     ck.add_argument("--out", default="bench-results", help="folder for the bench records")
     ck.set_defaults(run=cmd_check)
 
@@ -140,4 +142,5 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
 
     if not Path(args.prompts).is_file():
         raise common.UserError(f"prompts file not found: {args.prompts} (run from a checkout, or pass --prompts FILE)")
-    return run_check(args.model, args.device, args.prompts, max_new_tokens=args.max_new_tokens, out=args.out)
+    return run_check(args.model, args.device, args.prompts, args.identity_prompts, args.bench_prompts,
+                     args.max_new_tokens, args.out)  # fmt: skip
