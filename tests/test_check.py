@@ -1,5 +1,5 @@
-"""`DEVICE=cpu make gpu-check` (here shortened to 8 new tokens, 2 identity and 3 bench prompts): the device check runs on the CPU as it will on a
-GPU, every drafter greedy-identical in float32, and ends in one summary line."""
+"""`DEVICE=cpu make gpu-check` (here shortened to 8 new tokens, 2 identity and 3 bench prompts): the device check
+runs on the CPU as it will on a GPU, every drafter greedy-identical in float32, and ends in one summary line."""
 
 from __future__ import annotations
 

@@ -286,6 +286,55 @@ def test_fixed_batch_losses_are_pinned(kind):
     assert losses == pytest.approx(PINNED[kind], rel=1e-4)
 
 
+def two_processes_against_one(tmp_path, model_dir, heads: list[str], two: list[str]) -> str:
+    """`accelerate launch` of 2 CPU processes (gloo) with the options `two`, against 1 process with the same global
+    batch (2 accumulated micro-batches): the same loss curve and the same final weights. Returns the 2 processes'
+    stderr."""
+    import os
+    import socket
+    import subprocess
+
+    write_shards(tmp_path / "data", n_rows=48)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# every key comes from the command line\n")
+    script = Path(__file__).resolve().parents[1] / "train" / "heads.py"
+    common = [
+        *heads, f"target.model={model_dir}", "heads.num_heads=2", f"data.path={tmp_path / 'data'}",
+        "data.eval_rows=8", "data.batch_tokens=96", "optim.max_steps=4", "log_every=1", "eval_every=4",
+        "save_every=4", "report_to=none",
+    ]  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = {
+        "two": [*ACCELERATE_LAUNCH, *two, "--num_processes", "2", "--main_process_port", str(port), str(script)],
+        "one": [*ACCELERATE_LAUNCH, "--num_processes", "1", str(script), "optim.grad_accum=2"],
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    stderr = {}
+    for name, cmd in runs.items():
+        options = [option.replace("{run}", name) for option in common]  # "{run}": a path of each run's own
+        cmd = [*cmd, "--config", str(empty), *options, f"output_dir={tmp_path / name}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stderr[name] = proc.stderr
+    losses = {
+        name: [json.loads(x).get("train/loss") for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in runs
+    }
+    assert len(losses["one"]) == 4 and losses["two"] == pytest.approx(losses["one"], rel=1e-4)
+    for weights in ("model.safetensors", "adapter_model.safetensors"):  # the heads; Medusa-2's LoRA
+        if not (tmp_path / "one" / "heads" / weights).is_file():
+            continue
+        a = load_file(tmp_path / "one" / "heads" / weights)
+        b = load_file(tmp_path / "two" / "heads" / weights)
+        assert a.keys() == b.keys()  # the whole heads, not a shard of them
+        for name in a:
+            assert a[name].shape == b[name].shape
+            torch.testing.assert_close(a[name].float(), b[name].float(), atol=1e-2, rtol=1e-2)
+    return stderr["two"]
+
+
 @pytest.mark.parametrize(
     "heads",
     [
@@ -297,57 +346,54 @@ def test_fixed_batch_losses_are_pinned(kind):
     ids=["medusa", "eagle-unroll2", "eagle3-unroll2", "medusa2"],  # several head forwards before one backward
 )
 def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
-    """`accelerate launch --multi_gpu --num_processes 2` on the CPU (gloo) against 1 process with the
-    same global batch (2 accumulated micro-batches): the same loss curve and the same final weights."""
-    import os
-    import socket
-    import subprocess
-    from pathlib import Path
-
-    write_shards(tmp_path / "data", n_rows=48)
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("# every key comes from the command line\n")
-    script = Path(__file__).resolve().parents[1] / "train" / "heads.py"
-    common = [
-        *heads, f"target.model={tiny_model_dir}", "heads.num_heads=2", f"data.path={tmp_path / 'data'}",
-        "data.eval_rows=8", "data.batch_tokens=96", "optim.max_steps=4", "log_every=1", "eval_every=4",
-        "save_every=4", "report_to=none",
-    ]  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    runs = {
-        "two": [
-            *ACCELERATE_LAUNCH,
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--main_process_port",
-            str(port),
-            str(script),
-        ],
-        "one": [*ACCELERATE_LAUNCH, "--num_processes", "1", str(script), "optim.grad_accum=2"],
-    }
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, cmd in runs.items():
-        cmd = [*cmd, "--config", str(empty), *common, f"output_dir={tmp_path / name}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = {
-        name: [json.loads(x).get("train/loss") for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        for name in runs
-    }
-    assert len(losses["one"]) == 4 and losses["two"] == pytest.approx(losses["one"], rel=1e-4)
-    for weights in ("model.safetensors", "adapter_model.safetensors"):  # the heads; Medusa-2's LoRA
-        if not (tmp_path / "one" / "heads" / weights).is_file():
-            continue
-        a = load_file(tmp_path / "one" / "heads" / weights)
-        b = load_file(tmp_path / "two" / "heads" / weights)
-        for name in a:
-            torch.testing.assert_close(a[name].float(), b[name].float(), atol=1e-2, rtol=1e-2)
+    two_processes_against_one(tmp_path, tiny_model_dir, heads, ["--multi_gpu"])
     if "medusa2" in heads[0]:
         lora = load_file(tmp_path / "one" / "heads" / "adapter_model.safetensors")
         assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items())  # it did train
+
+
+@pytest.mark.parametrize(
+    "heads",
+    [
+        ["heads.kind=medusa"],
+        ["heads.kind=eagle", "heads.unroll=2", "heads.feature_noise=0"],
+        ["heads.kind=eagle3", "heads.unroll=2", "data.features=FEATURES-{run}"],  # the cache pass, sharded
+    ],
+    ids=["medusa", "eagle-unroll2", "eagle3-unroll2-feature-cache"],
+)
+def test_fsdp_launch_shards_the_target_and_matches_one_process(tmp_path, tiny_model_dir, heads):
+    """configs/accelerate/fsdp.yaml with 2 CPU processes: each holds half of every decoder layer of the frozen
+    target (FSDP2 `fully_shard`; on CPUs Accelerate trains the heads as under DDP), and the run equals 1 process."""
+    heads = [h.replace("FEATURES", str(tmp_path / "features")) for h in heads]
+    fsdp = ["--config_file", str(Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"),
+            "--mixed_precision", "no"]  # fmt: skip
+    stderr = two_processes_against_one(tmp_path, tiny_model_dir, heads, fsdp)
+    shares = [line for line in stderr.splitlines() if "of the target's" in line]
+    assert len(shares) == 2, stderr[-2000:]
+    for line in shares:  # "headstart: process R of 2 holds H of the target's T decoder-layer weights"
+        held, total = int(line.split(" holds ")[1].split()[0]), int(line.split("target's ")[1].split()[0])
+        assert held == total // 2, line
+
+
+@pytest.mark.parametrize(
+    "heads",
+    [
+        ["heads.kind=medusa"],
+        ["heads.kind=eagle3", "heads.unroll=2"],
+        ["heads.kind=medusa2", "heads.lora.r=4", "heads.lora.lr=0.01"],
+    ],
+    ids=["medusa", "eagle3-unroll2", "medusa2"],
+)
+def test_deepspeed_zero2_launch_matches_one_process(tmp_path, tiny_model_dir, heads):
+    """configs/accelerate/deepspeed_zero2.yaml with 2 CPU processes (DeepSpeed's CPU accelerator over gloo): ZeRO-2
+    splits the optimizer state between them, and the run equals 1 process with the same global batch."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "deepspeed_zero2.yaml"
+    launch = ["--config_file", str(config), "--mixed_precision", "no"]
+    two_processes_against_one(tmp_path, tiny_model_dir, heads, launch)
+    states = tmp_path / "two" / "checkpoints" / "step-0000004" / "pytorch_model"
+    assert sorted(p.name for p in states.glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    ]  # fmt: skip
 
 
 def test_report_png(tmp_path, capsys):

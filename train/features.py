@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from headstart.runtime.target import features
 from headstart.train.data import Row, collate, make_batches
+from headstart.train.shard import forwards_to_match
 
 CHUNK = 256  # rows per file
 
@@ -81,21 +82,25 @@ class FeatureCache:
         """Rows this process must compute: every world-th row without a valid entry, from `rank`."""
         return [i for i in range(len(self.rows)) if i not in self.where][rank::world]
 
-    def build(self, model, pad_id: int, batch_tokens: int, rank: int = 0, world: int = 1, progress: bool = True) -> int:
+    def build(self, model, pad_id: int, batch_tokens: int, rank: int = 0, world: int = 1, progress: bool = True,
+              lockstep: bool = False) -> int:  # fmt: skip
         """Compute and save this process's missing rows, CHUNK per file; returns how many rows were computed.
-        Other processes' files are not re-read here: `scan()` after every process has built."""
+        Other processes' files are not re-read here: `scan()` after every process has built. `lockstep`: the
+        target is sharded over the processes (`train/shard.py`), so each runs as many forwards as the busiest."""
         from tqdm import tqdm
 
         todo = self.missing(rank, world)
-        if not todo:
-            return 0
-        self.dir.mkdir(parents=True, exist_ok=True)
+        chunks = [[self.rows[i] for i in todo[start : start + CHUNK]] for start in range(0, len(todo), CHUNK)]
+        plan = [(rows, make_batches(rows, batch_tokens, seed=0)) for rows in chunks]
         device = next(model.parameters()).device
-        bar = tqdm(total=len(todo), desc="target features", unit="row", disable=not progress, dynamic_ncols=True)
-        for start in range(0, len(todo), CHUNK):
-            rows = [self.rows[i] for i in todo[start : start + CHUNK]]
+        spare = forwards_to_match(sum(len(groups) for _, groups in plan), device) if lockstep else 0
+        if todo:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        bar = tqdm(total=len(todo), desc="target features", unit="row", disable=not progress or not todo,
+                   dynamic_ncols=True)  # fmt: skip
+        for rows, groups in plan:
             tensors: dict[str, torch.Tensor] = {}
-            for group in make_batches(rows, batch_tokens, seed=0):
+            for group in groups:
                 batch = collate([rows[i] for i in group], pad_id)
                 ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
                 feats = target_features(model, ids, mask, self.layers)
@@ -109,6 +114,9 @@ class FeatureCache:
             save_file(tensors, str(tmp), metadata={"key": self.key, "ids": json.dumps([r.id for r in rows])})
             os.replace(tmp, path)  # a file is either whole or absent
         bar.close()
+        for _ in range(spare):  # forwards whose features nobody keeps: the other processes' layers gather with them
+            batch = collate(self.rows[:1], pad_id)
+            target_features(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), self.layers)
         return len(todo)
 
     def batch(self, row_index: list[int], width: int) -> torch.Tensor:

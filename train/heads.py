@@ -35,6 +35,7 @@ from headstart.train.data import Row, collate, load_rows, make_batches, split_ro
 from headstart.train.evaluate import rank_hits, summarize
 from headstart.train.features import FeatureCache, target_features
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
+from headstart.train.shard import held_share, shard_target
 from headstart.train.sources import answered_ids, check_sources
 
 
@@ -89,6 +90,12 @@ class Trainer:
         heads = build_heads(cfg.heads.kind, model, **self.options).float()
         self.options.update(self.kind.saved_options(heads))
         self.layers = self.kind.feature_layers(heads)  # the target hidden states the loss reads
+        # an FSDP launch: each process holds 1/N of the frozen target (Medusa-2's target trains: Accelerate's wrap)
+        self.sharded = not self.kind.trains_target and shard_target(model, accelerator)
+        if self.sharded:
+            held, total = held_share(model)
+            print(f"headstart: process {accelerator.process_index} of {accelerator.num_processes} holds {held} of the "
+                  f"target's {total} decoder-layer weights", file=sys.stderr, flush=True)  # fmt: skip
         self.features = self.cache_features(rows) if cfg.data.features else None
         if cfg.heads.draft_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
@@ -143,8 +150,9 @@ class Trainer:
         acc = self.acc
         key = {**target_fingerprint(self.model, self.tokenizer, self.cfg.target.model), "dtype": str(self.model.dtype)}
         cache = FeatureCache(ensure_writable_dir(self.cfg.data.features), rows, key, self.layers)
+        acc.wait_for_everyone()  # every process has scanned what exists before any writes more: their shares agree
         built = cache.build(self.model, self.pad_id, self.cfg.data.batch_tokens, acc.process_index,
-                            acc.num_processes, progress=acc.is_local_main_process)  # fmt: skip
+                            acc.num_processes, progress=acc.is_local_main_process, lockstep=self.sharded)  # fmt: skip
         acc.wait_for_everyone()
         cache.scan()
         acc.print(f"headstart: target features of {len(rows)} rows from {cache.dir} ({built} computed now)")
@@ -403,10 +411,29 @@ def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
+def make_accelerator(cfg: TrainConfig, log_with: str | None, out: Path):
+    """Accelerate's Accelerator for this launch. Without GPUs a DeepSpeed launch runs DeepSpeed's CPU accelerator
+    over gloo (Accelerate's CPU mode would drop DeepSpeed silently); other launches run in that CPU mode."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType
+
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    cpu = not torch.cuda.is_available()
+    if cpu and deepspeed:
+        PartialState(backend="gloo")
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=log_with, project_dir=str(out),
+                              cpu=cpu and not deepspeed)  # fmt: skip
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # batches are token budgets, not a row count:
+        config = accelerator.state.deepspeed_plugin.deepspeed_config  # DeepSpeed only logs with this number
+        config["train_micro_batch_size_per_gpu"] = 1
+        config["gradient_accumulation_steps"] = cfg.optim.grad_accum
+        config["gradient_clipping"] = cfg.optim.grad_clip
+    return accelerator
+
+
 def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
     """Train one head kind as `cfg` says; returns the final held-out metrics. Only the `last` run of a launch
     ends training (which tears the process group down): the others only close their trackers."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     out = ensure_writable_dir(cfg.output_dir)
@@ -414,8 +441,7 @@ def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
     if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
         os.environ["WANDB_MODE"] = "offline"
         print("headstart: no WANDB_API_KEY: W&B logs offline (sync later with `wandb sync`)", file=sys.stderr)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=log_with, project_dir=str(out),
-                              cpu=not torch.cuda.is_available())  # fmt: skip
+    accelerator = make_accelerator(cfg, log_with, out)
     set_seed(cfg.seed)
     model, tokenizer = load_target(cfg)
     ensure_data(cfg, model.to(accelerator.device), tokenizer, accelerator)
