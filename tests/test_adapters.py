@@ -16,7 +16,7 @@ from headstart.heads.checkpoint import HeadsMismatchError, load_heads, save_head
 from headstart.runtime.adapters import adapter_sha
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.models import load_model
-from helpers.exactness import assert_greedy_identity, assert_trained_heads_speculate, fit_heads, random_heads
+from helpers.exactness import TREES, assert_greedy_identity, assert_trained_heads_speculate, fit_heads, random_heads
 from helpers.models import WORDS, tiny_llama
 from helpers.training import greedy_rows
 
@@ -68,11 +68,9 @@ def test_greedy_identity_on_an_adapted_target(tiny_model_dir, adapters, adapted_
     trained for it are accepted, several branches a round."""
     model, tokenizer = load_model(str(tiny_model_dir), adapter=adapters["a"], merge_adapter=merge)
     model.generation_config.eos_token_id = None
-    trees = {"medusa": {"budget": 12}, "eagle": {"top_k": 3, "depth": 4, "budget": 12}}
-    trees["eagle3"] = trees["eagle"]
     for name in ("none", "lookup", *(f"{kind}{graft}" for kind in adapted_heads for graft in ("", "+lookup"))):
         kind = name.removesuffix("+lookup")
-        options = {"heads": adapted_heads[kind], **trees[kind]} if kind in adapted_heads else {}
+        options = {"heads": adapted_heads[kind], **TREES[kind]} if kind in adapted_heads else {}
         drafter = make_drafter(name, model, tokenizer, **options)
         seen = assert_greedy_identity(model, drafter, PROMPTS, max_new_tokens=24)
         assert name != "none" or seen.accepted == 0

@@ -23,7 +23,7 @@ from headstart.runtime.batched import decode_batched
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.models import load_model
-from helpers.exactness import assert_greedy_identity, assert_trained_heads_speculate, fit_heads
+from helpers.exactness import TREES, assert_greedy_identity, assert_trained_heads_speculate, fit_heads
 from helpers.models import tiny_tokenizer
 from helpers.training import greedy_rows
 
@@ -49,8 +49,6 @@ REFUSED = {("gpt_neox", "eagle"): "EAGLE heads cannot be built for GPTNeoXForCau
            "takes `cache=`"}  # fmt: skip
 PROMPTS = [[5, 9, 3, 17, 22, 8, 41, 3, 17, 22, 8], [60, 12, 60, 12, 60, 7]]
 NEW_TOKENS = 3 * WINDOW  # prompt + answer pass twice the window
-TREES = {"medusa": {"budget": 12}, "eagle": {"top_k": 3, "depth": 4, "budget": 12}}  # several branches a round
-TREES["medusa2"], TREES["eagle3"] = TREES["medusa"], TREES["eagle"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

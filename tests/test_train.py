@@ -391,6 +391,14 @@ def test_deepspeed_zero2_launch_matches_one_process(tmp_path, tiny_model_dir, he
     launch = ["--config_file", str(config), "--mixed_precision", "no"]
     two_processes_against_one(tmp_path, tiny_model_dir, heads, launch)
     states = tmp_path / "two" / "checkpoints" / "step-0000004" / "pytorch_model"
+    if heads[0] == "heads.kind=medusa":  # accumulation is refused in one line (DeepSpeed steps at every backward)
+        import subprocess
+
+        cmd = [*ACCELERATE_LAUNCH, *launch, "--num_processes", "1", str(Path(__file__).resolve().parents[1] / "train" /
+               "heads.py"), "--config", str(tmp_path / "empty.yaml"), f"target.model={tiny_model_dir}",
+               f"data.path={tmp_path / 'data'}", f"output_dir={tmp_path / 'accum'}", "optim.grad_accum=2"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and "optim.grad_accum: a DeepSpeed launch takes 1, not 2" in proc.stderr
     assert sorted(p.name for p in states.glob("zero_pp_rank_*_optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     ]  # fmt: skip

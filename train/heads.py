@@ -423,10 +423,13 @@ def make_accelerator(cfg: TrainConfig, log_with: str | None, out: Path):
         PartialState(backend="gloo")
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=log_with, project_dir=str(out),
                               cpu=cpu and not deepspeed)  # fmt: skip
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # batches are token budgets, not a row count:
-        config = accelerator.state.deepspeed_plugin.deepspeed_config  # DeepSpeed only logs with this number
-        config["train_micro_batch_size_per_gpu"] = 1
-        config["gradient_accumulation_steps"] = cfg.optim.grad_accum
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if cfg.optim.grad_accum != 1:  # DeepSpeed's engine steps at each backward the loop runs
+            raise ConfigError(f"optim.grad_accum: a DeepSpeed launch takes 1, not {cfg.optim.grad_accum} (raise "
+                              "data.batch_tokens or the number of processes instead)")  # fmt: skip
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = 1  # batches are token budgets: DeepSpeed only logs this number
+        config["gradient_accumulation_steps"] = 1
         config["gradient_clipping"] = cfg.optim.grad_clip
     return accelerator
 

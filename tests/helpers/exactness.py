@@ -147,6 +147,9 @@ def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10, **override
 # so that the adapted target still writes what the heads learnt from the rows)
 FIT = {"optim.max_steps": 60, "optim.lr": 0.03, "heads.draft_vocab": 256, "data.eval_rows": 0, "save_every": 10**6}
 FIT_KIND = {"eagle": {"heads.unroll": 3}, "eagle3": {"heads.unroll": 3}, "medusa2": {"heads.lora.lr": 1e-6}}
+# the trees fitted heads draft: several branches a round, so that rounds can keep another branch than the first
+TREES = {"medusa": {"budget": 12}, "eagle": {"top_k": 3, "depth": 4, "budget": 12}}
+TREES["medusa2"], TREES["eagle3"] = TREES["medusa"], TREES["eagle"]
 
 
 def fit_heads(root, model_dir, kind: str, rows, **overrides):
