@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -290,7 +291,6 @@ def two_processes_against_one(tmp_path, model_dir, heads: list[str], two: list[s
     """`accelerate launch` of 2 CPU processes (gloo) with the options `two`, against 1 process with the same global
     batch (2 accumulated micro-batches): the same loss curve and the same final weights. Returns the 2 processes'
     stderr."""
-    import os
     import socket
     import subprocess
 
@@ -352,6 +352,10 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
         assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items())  # it did train
 
 
+FSDP = ["--config_file", str(Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"),
+        "--mixed_precision", "no"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "heads",
     [
@@ -365,14 +369,29 @@ def test_fsdp_launch_shards_the_target_and_matches_one_process(tmp_path, tiny_mo
     """configs/accelerate/fsdp.yaml with 2 CPU processes: each holds half of every decoder layer of the frozen
     target (FSDP2 `fully_shard`; on CPUs Accelerate trains the heads as under DDP), and the run equals 1 process."""
     heads = [h.replace("FEATURES", str(tmp_path / "features")) for h in heads]
-    fsdp = ["--config_file", str(Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"),
-            "--mixed_precision", "no"]  # fmt: skip
-    stderr = two_processes_against_one(tmp_path, tiny_model_dir, heads, fsdp)
+    stderr = two_processes_against_one(tmp_path, tiny_model_dir, heads, FSDP)
     shares = [line for line in stderr.splitlines() if "of the target's" in line]
     assert len(shares) == 2, stderr[-2000:]
     for line in shares:  # "headstart: process R of 2 holds H of the target's T decoder-layer weights"
         held, total = int(line.split(" holds ")[1].split()[0]), int(line.split("target's ")[1].split()[0])
         assert held == total // 2, line
+
+
+def test_fsdp_launch_refuses_medusa2_in_one_line(tmp_path, tiny_model_dir):
+    """Medusa-2 trains a LoRA inside the target, which an FSDP launch would shard: refused before any training."""
+    import subprocess
+
+    write_shards(tmp_path / "data", n_rows=16)
+    (tmp_path / "empty.yaml").write_text("# every key comes from the command line\n")
+    script = Path(__file__).resolve().parents[1] / "train" / "heads.py"
+    cmd = [*ACCELERATE_LAUNCH, *FSDP, "--num_processes", "2", str(script), "--config", str(tmp_path / "empty.yaml"),
+           "heads.kind=medusa2", f"target.model={tiny_model_dir}", f"data.path={tmp_path / 'data'}",
+           f"output_dir={tmp_path / 'out'}", "report_to=none"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("headstart: error")]
+    assert proc.returncode != 0 and errors, proc.stderr[-2000:]
+    assert "medusa2 trains a LoRA inside the target, which an FSDP launch would shard" in errors[0]
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(

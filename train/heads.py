@@ -35,7 +35,7 @@ from headstart.train.data import Row, collate, load_rows, make_batches, split_ro
 from headstart.train.evaluate import rank_hits, summarize
 from headstart.train.features import FeatureCache, target_features
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
-from headstart.train.shard import held_share, shard_target
+from headstart.train.shard import fsdp_launch, held_share, shard_target
 from headstart.train.sources import answered_ids, check_sources
 
 
@@ -90,8 +90,7 @@ class Trainer:
         heads = build_heads(cfg.heads.kind, model, **self.options).float()
         self.options.update(self.kind.saved_options(heads))
         self.layers = self.kind.feature_layers(heads)  # the target hidden states the loss reads
-        # an FSDP launch: each process holds 1/N of the frozen target (Medusa-2's target trains: Accelerate's wrap)
-        self.sharded = not self.kind.trains_target and shard_target(model, accelerator)
+        self.sharded = shard_target(model, accelerator)  # an FSDP launch: each process holds 1/N of the target
         if self.sharded:
             held, total = held_share(model)
             print(f"headstart: process {accelerator.process_index} of {accelerator.num_processes} holds {held} of the "
@@ -445,6 +444,9 @@ def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
         os.environ["WANDB_MODE"] = "offline"
         print("headstart: no WANDB_API_KEY: W&B logs offline (sync later with `wandb sync`)", file=sys.stderr)
     accelerator = make_accelerator(cfg, log_with, out)
+    if KINDS[cfg.heads.kind].trains_target and fsdp_launch(accelerator):
+        raise ConfigError(f"heads.kind: {cfg.heads.kind} trains a LoRA inside the target, which an FSDP launch would "
+                          "shard; launch it with configs/accelerate/ddp.yaml or deepspeed_zero2.yaml")  # fmt: skip
     set_seed(cfg.seed)
     model, tokenizer = load_target(cfg)
     ensure_data(cfg, model.to(accelerator.device), tokenizer, accelerator)
