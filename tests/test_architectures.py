@@ -54,7 +54,7 @@ NEW_TOKENS = 3 * WINDOW  # prompt + answer pass twice the window
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """(name, model, tokenizer, {drafter base: options}): heads of each kind trained on the model's own greedy
-    continuations, a draft model saved to disk; medusa2's options carry its adapted target (`model`)."""
+    continuations, a draft model saved to disk; medusa2's options carry its adapted target (`target`)."""
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(FAMILIES[request.param](), attn_implementation="sdpa")
     model.eval().requires_grad_(False)
@@ -97,7 +97,7 @@ def test_greedy_identity_past_the_window(family, drafter):
     if drafter == "model":  # the target's own layers drafting: speculation really happened
         assert seen.accepted > NEW_TOKENS, f"{name}: {seen.accepted} draft tokens accepted"
     if base in KINDS:
-        print(f"{name} {drafter}: {seen.acceptance_length:.2f} tokens a pass, {seen}")  # the matrix, with -s
+        print(f"{name} {drafter}: {seen.acceptance_length:.2f} tokens a pass, {seen}")  # the matrix: pytest -rA
         assert_trained_heads_speculate(seen, drafter, name)
 
 
