@@ -106,6 +106,13 @@ class HeadsConfig:
 
     FIELDS = ("kind", "target", "options", "dtype", "rank_accuracy", "draft_layer", "training", "vocab_order")
 
+    @property
+    def measured_accuracy(self) -> list[list[float]] | None:
+        """`rank_accuracy` when it can shape a tree; None when absent (published heads) or 0 at every rank (heads
+        never right on their held-out rows): trees then come from their drafter's prior or grow dynamically."""
+        measured = self.rank_accuracy or []
+        return self.rank_accuracy if any(acc > 0 for depth in measured for acc in depth) else None
+
     @classmethod
     def from_json(cls, config: dict) -> HeadsConfig:
         return cls(**{k: config[k] for k in cls.FIELDS if k in config},

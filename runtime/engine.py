@@ -127,7 +127,7 @@ class Engine:
             return None
         heads = heads_dir(base, options.get("heads"), self.model_name)
         config = HeadsConfig.find(heads)
-        accuracy = config.rank_accuracy if config is not None else None
+        accuracy = config.measured_accuracy if config is not None else None
         if not accuracy:
             return None
         key = (base, str(heads))

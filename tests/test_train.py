@@ -22,6 +22,8 @@ from helpers.models import ACCELERATE_LAUNCH, WORDS
 from helpers.pinned import fixed_batch_losses, load_pinned
 from helpers.training import make_cfg, write_shards
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_medusa_label_shift_by_hand():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
@@ -123,7 +125,7 @@ def test_cli_errors(tmp_path, capsys, tiny_model_dir):
     assert train_heads.main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "is not writable" in err and err.count("\n") == 1
-    smoke = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
+    smoke = str(ROOT / "configs" / "smoke.yaml")
     assert train_heads.main(["--config", smoke, "heads.kind=eagle", "heads.unroll=0"]) == 2
     assert "heads.unroll must be >= 1" in capsys.readouterr().err
 
@@ -287,35 +289,41 @@ def test_fixed_batch_losses_are_pinned(kind):
     assert losses == pytest.approx(PINNED[kind], rel=1e-4)
 
 
+FSDP = ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp.yaml"), "--mixed_precision", "no"]
+DEEPSPEED = ["--config_file", str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"), "--mixed_precision", "no"]
+
+
+def launch_training(tmp_path, launch: list[str], processes: int, options: list[str]):
+    """`accelerate launch` (with the options `launch`) of train/heads.py over `processes` CPU processes of one
+    thread each, every key from the command line (`options`); returns the finished process."""
+    import socket
+    import subprocess
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# every key comes from the command line\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [*ACCELERATE_LAUNCH, *launch, "--num_processes", str(processes), "--main_process_port", str(port),
+           str(ROOT / "train" / "heads.py"), "--config", str(empty), *options]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def two_processes_against_one(tmp_path, model_dir, heads: list[str], two: list[str]) -> str:
     """`accelerate launch` of 2 CPU processes (gloo) with the options `two`, against 1 process with the same global
     batch (2 accumulated micro-batches): the same loss curve and the same final weights. Returns the 2 processes'
     stderr."""
-    import socket
-    import subprocess
-
     write_shards(tmp_path / "data", n_rows=48)
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("# every key comes from the command line\n")
-    script = Path(__file__).resolve().parents[1] / "train" / "heads.py"
     common = [
         *heads, f"target.model={model_dir}", "heads.num_heads=2", f"data.path={tmp_path / 'data'}",
         "data.eval_rows=8", "data.batch_tokens=96", "optim.max_steps=4", "log_every=1", "eval_every=4",
         "save_every=4", "report_to=none",
     ]  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    runs = {
-        "two": [*ACCELERATE_LAUNCH, *two, "--num_processes", "2", "--main_process_port", str(port), str(script)],
-        "one": [*ACCELERATE_LAUNCH, "--num_processes", "1", str(script), "optim.grad_accum=2"],
-    }
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {"two": (two, 2, []), "one": ([], 1, ["optim.grad_accum=2"])}
     stderr = {}
-    for name, cmd in runs.items():
+    for name, (launch, processes, extra) in runs.items():
         options = [option.replace("{run}", name) for option in common]  # "{run}": a path of each run's own
-        cmd = [*cmd, "--config", str(empty), *options, f"output_dir={tmp_path / name}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        proc = launch_training(tmp_path, launch, processes, [*options, *extra, f"output_dir={tmp_path / name}"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         stderr[name] = proc.stderr
     losses = {
@@ -352,10 +360,6 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny_model_dir, heads):
         assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items())  # it did train
 
 
-FSDP = ["--config_file", str(Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"),
-        "--mixed_precision", "no"]  # fmt: skip
-
-
 @pytest.mark.parametrize(
     "heads",
     [
@@ -379,15 +383,10 @@ def test_fsdp_launch_shards_the_target_and_matches_one_process(tmp_path, tiny_mo
 
 def test_fsdp_launch_refuses_medusa2_in_one_line(tmp_path, tiny_model_dir):
     """Medusa-2 trains a LoRA inside the target, which an FSDP launch would shard: refused before any training."""
-    import subprocess
-
     write_shards(tmp_path / "data", n_rows=16)
-    (tmp_path / "empty.yaml").write_text("# every key comes from the command line\n")
-    script = Path(__file__).resolve().parents[1] / "train" / "heads.py"
-    cmd = [*ACCELERATE_LAUNCH, *FSDP, "--num_processes", "2", str(script), "--config", str(tmp_path / "empty.yaml"),
-           "heads.kind=medusa2", f"target.model={tiny_model_dir}", f"data.path={tmp_path / 'data'}",
-           f"output_dir={tmp_path / 'out'}", "report_to=none"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    options = ["heads.kind=medusa2", f"target.model={tiny_model_dir}", f"data.path={tmp_path / 'data'}",
+               f"output_dir={tmp_path / 'out'}", "report_to=none"]  # fmt: skip
+    proc = launch_training(tmp_path, FSDP, 2, options)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("headstart: error")]
     assert proc.returncode != 0 and errors, proc.stderr[-2000:]
     assert "medusa2 trains a LoRA inside the target, which an FSDP launch would shard" in errors[0]
@@ -406,17 +405,12 @@ def test_fsdp_launch_refuses_medusa2_in_one_line(tmp_path, tiny_model_dir):
 def test_deepspeed_zero2_launch_matches_one_process(tmp_path, tiny_model_dir, heads):
     """configs/accelerate/deepspeed_zero2.yaml with 2 CPU processes (DeepSpeed's CPU accelerator over gloo): ZeRO-2
     splits the optimizer state between them, and the run equals 1 process with the same global batch."""
-    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "deepspeed_zero2.yaml"
-    launch = ["--config_file", str(config), "--mixed_precision", "no"]
-    two_processes_against_one(tmp_path, tiny_model_dir, heads, launch)
+    two_processes_against_one(tmp_path, tiny_model_dir, heads, DEEPSPEED)
     states = tmp_path / "two" / "checkpoints" / "step-0000004" / "pytorch_model"
     if heads[0] == "heads.kind=medusa":  # accumulation is refused in one line (DeepSpeed steps at every backward)
-        import subprocess
-
-        cmd = [*ACCELERATE_LAUNCH, *launch, "--num_processes", "1", str(Path(__file__).resolve().parents[1] / "train" /
-               "heads.py"), "--config", str(tmp_path / "empty.yaml"), f"target.model={tiny_model_dir}",
-               f"data.path={tmp_path / 'data'}", f"output_dir={tmp_path / 'accum'}", "optim.grad_accum=2"]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        options = [f"target.model={tiny_model_dir}", f"data.path={tmp_path / 'data'}",
+                   f"output_dir={tmp_path / 'accum'}", "optim.grad_accum=2"]  # fmt: skip
+        proc = launch_training(tmp_path, DEEPSPEED, 1, options)
         assert proc.returncode != 0 and "optim.grad_accum: a DeepSpeed launch takes 1, not 2" in proc.stderr
     assert sorted(p.name for p in states.glob("zero_pp_rank_*_optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -440,9 +434,7 @@ def test_report_png(tmp_path, capsys):
 
 
 def test_every_checked_in_config_loads_and_shows_its_launch_command():
-    from pathlib import Path
-
-    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
     assert configs
     for path in configs:
         cfg = load_config(path)

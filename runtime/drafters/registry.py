@@ -114,9 +114,9 @@ def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Draft
     from headstart.runtime.tree import choose_tree_shape, prior_rank_accuracy
 
     module, config = _trained(kind, options, ctx)
-    accuracy = config.rank_accuracy
-    if not any(acc > 0 for depth in accuracy or [] for acc in depth):  # published heads; or none ever right
-        why = "carry no measured per-rank accuracies" if not accuracy else "measured 0 for every rank"
+    accuracy = config.measured_accuracy
+    if accuracy is None:
+        why = "measured 0 for every rank" if config.rank_accuracy else "carry no measured per-rank accuracies"
         accuracy = prior_rank_accuracy(module.num_heads)
         warnings.warn(f"the {kind} heads {why}: their tree comes from a prior (runtime/tree.py, "
                       "prior_rank_accuracy)", stacklevel=2)  # fmt: skip
@@ -135,7 +135,7 @@ def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:
     module, config = _trained(kind, options, ctx)
     embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
     options = dataclasses.replace(options, draft_vocab=_readout_limit(options, config))
-    return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.rank_accuracy)
+    return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.measured_accuracy)
 
 
 def _model(options: ModelOptions, ctx: Context) -> Drafter:
