@@ -1,4 +1,5 @@
-"""Attention masks for a model's layout: full attention, a sliding window on every layer, or the two mixed.
+"""Attention for verified trees: masks for a model's layout (full attention, a sliding window on every layer, or
+the two mixed), and the fast path's grouped-query SDPA, which reads the cache without copying it (`grouped_sdpa`).
 
 The verifier hands the model its own 4D masks (a tree mask), so it must also apply what the model's layers
 would: a sliding-window layer at position i sees only keys at positions j > i - window. Mistral-style
@@ -14,6 +15,8 @@ branch; the masks keep the attention exact instead.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from headstart.heads.masks import additive_mask
 
@@ -67,3 +70,48 @@ class AttentionLayout:
         k_pos = torch.cat([torch.arange(past), q_pos])
         windowed = additive_mask(allowed & (k_pos[None, :] > q_pos[:, None] - self.window), dtype, device)
         return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed
+
+
+# --- grouped-query attention over a tree without copying the cache (the fast path) ----------------------------
+GROUPED_SDPA = "headstart_grouped_sdpa"  # the attention implementation name the fast path gives the target
+
+
+def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """transformers' SDPA attention, except for several queries under a mask shared by every head (a verified
+    tree) with grouped-query attention: there stock SDPA repeats the cache's keys and values for every query
+    head (a copy of the whole cache in every layer, every round; on CPU, masked SDPA takes no `enable_gqa`).
+    Here the query heads that share a key/value head are stacked as extra query rows instead, so attention reads
+    the cache as it is; only the mask, (q, past + q), is repeated for them. The same products per (query, key),
+    so the same values as stock SDPA (tests/test_attention.py)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, q, D = query.shape  # (B, H, q, D) queries; key, value: (B, G, k, D) with G key/value heads
+    G = key.shape[1]
+    if (G == H or q == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+            or dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):  # fmt: skip
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    r = H // G  # query heads per key/value head: head g * r + j reads key/value head g
+    grouped = query.reshape(B, G, r * q, D)  # row j * q + i: query i of head g * r + j
+    Bm, k = attention_mask.shape[0], attention_mask.shape[-1]
+    mask = attention_mask[:, :, None].expand(Bm, 1, r, q, k).reshape(Bm, 1, r * q, k)  # (B, 1, r*q, k)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)  # (B, G, r*q, D)
+    return out.reshape(B, H, q, D).transpose(1, 2).contiguous(), None  # (B, q, H, D), as stock SDPA returns
+
+
+def use_grouped_sdpa(model: nn.Module) -> bool:
+    """Switch `model` (a transformers model running SDPA) to `grouped_sdpa`; False, unchanged, for any other
+    attention implementation (eager, flash, flex: their own kernels) or a model without grouped queries."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = model.config
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if config._attn_implementation != "sdpa" or not heads or not kv_heads or heads == kv_heads:
+        return False
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)  # masks built as for SDPA
+    model.set_attn_implementation(GROUPED_SDPA)
+    return True

@@ -34,7 +34,8 @@ def _key(target: Target) -> str:
     config = target.model.config.to_json_string(use_diff=False)
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu
-    parts = [config, str(target.dtype), device, target.packed.kind, torch.__version__, str(torch.get_num_threads())]
+    kernels = f"{target.packed.kind}, grouped attention {target.grouped}"
+    parts = [config, str(target.dtype), device, kernels, torch.__version__, str(torch.get_num_threads())]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -5,9 +5,10 @@ Each round feeds the root plus the draft tree in one forward (`verify`), then ke
 the accepted nodes in the cache (`commit`); the correction/bonus token becomes the next root.
 Plain decoding is the same round with an empty tree: one forward over the root.
 No modeling file is copied: the model's own forward runs with a float 4D tree mask and explicit
-position ids. The fast path (on by default) is in two small modules: a preallocated cache that commits a branch
-by moving only its rows (runtime/kvcache.py) and prepacked linear kernels (runtime/kernels.py); the forward,
-the masks and the loop are the same with it off.
+position ids. The fast path (on by default) is in three small pieces: a preallocated cache that commits a branch
+by moving only its rows (runtime/kvcache.py), prepacked linear kernels (runtime/kernels.py) and grouped-query
+attention that does not copy the cache for a tree (runtime/attention.py); the forward, the masks and the loop are
+the same with it off.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from headstart.runtime.attention import AttentionLayout, MaskBuffer
+from headstart.runtime.attention import AttentionLayout, MaskBuffer, use_grouped_sdpa
 from headstart.runtime.kernels import Prepacked, prepack_linears
 from headstart.runtime.kvcache import TargetCache
 from headstart.runtime.tree import DraftTree, tree_visibility
@@ -47,7 +48,8 @@ class Target:
 
     def __init__(self, model: PreTrainedModel, fast: bool | None = None) -> None:
         """`fast`: prepack the model's linear layers in place (CPU; `runtime/kernels.py`), once (`packed` says how
-        and in how many seconds); trees are then padded to the row counts the packed kernels are made for."""
+        and in how many seconds), trees then padded to the row counts the packed kernels are made for; and attend
+        to a tree with grouped-query SDPA (`grouped` says whether; runtime/attention.py)."""
         fast = self.prepack_default if fast is None else fast
         self.model = model.eval().requires_grad_(False)
         self.device = model.device
@@ -55,6 +57,7 @@ class Target:
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.layout = AttentionLayout(model.config)
         self.packed = prepack_linears(model) if fast else Prepacked()
+        self.grouped = use_grouped_sdpa(model) if fast else False
         self._fed = 0  # rows the last `verify` fed: the root, the tree, any padding
         self._lm_head_clock: list[float] | None = None  # [start, seconds] while `timing_lm_head` is on
         self.cache = TargetCache()  # full on every layer, sliding-window ones too (runtime/attention.py)

@@ -1,4 +1,5 @@
-"""The target's fast path: the preallocated KV cache, the tree-mask buffer and the prepacked kernels (fp32)."""
+"""The target's fast path: the preallocated KV cache, the tree-mask buffer, the prepacked kernels (fp32) and the
+grouped-query attention over a tree."""
 
 import copy
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from headstart.heads.masks import additive_mask
-from headstart.runtime.attention import MaskBuffer
+from headstart.runtime.attention import GROUPED_SDPA, MaskBuffer, grouped_sdpa
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.generate import stream
 from headstart.runtime.kernels import ROW_BUCKETS, PackedLinear, prepack_linears
@@ -105,3 +106,42 @@ def test_fast_and_stock_targets_decode_alike():
         logits[fast] = (out, verified.logits)
     assert logits[True][0] == logits[False][0]
     torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-4, rtol=0)
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups, is_causal = 3, True
+
+
+def test_grouped_sdpa_equals_stock_sdpa_on_a_tree():
+    """6 query heads over 2 key/value heads, 5 queries (a root and a 4-node tree) under one mask over 12 keys."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    query = torch.randn(1, 5, 6, 8).transpose(1, 2)  # (B, H, q, D), strided as a model's projection makes it
+    key, value = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    tree = DraftTree([1, 2, 3, 4], [-1, 0, -1, 2])
+    mask = additive_mask(tree_visibility(tree, 7)[0], torch.float32)  # (1, 1, 5, 12)
+    want, _ = sdpa_attention_forward(_Attention(), query, key, value, mask, scaling=0.3)
+    got, _ = grouped_sdpa(_Attention(), query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (1, 5, 6, 8)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_fast_target_verifies_a_tree_without_repeating_the_cache(monkeypatch):
+    """Stock SDPA copies every layer's keys and values for each query head (`repeat_kv`) under a tree mask; the
+    fast target never calls it, and still scores every node as the stock target does."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    scored = {}
+    for fast in (False, True):
+        model = tiny_llama(vocab_size=64, init_std=0.2)
+        target = Target(model, fast=fast)
+        assert target.grouped == fast and (model.config._attn_implementation == GROUPED_SDPA) == fast
+        target.prefill(PROMPT)
+        repeats = []
+        real = sdpa.repeat_kv
+        monkeypatch.setattr(sdpa, "repeat_kv", lambda h, n: repeats.append(n) or real(h, n))
+        scored[fast] = target.verify(3, DraftTree([1, 2, 3, 4], [-1, 0, -1, 2])).logits
+        monkeypatch.setattr(sdpa, "repeat_kv", real)
+        assert bool(repeats) != fast  # stock: once per layer for keys and values; fast: never
+    torch.testing.assert_close(scored[True], scored[False], atol=1e-4, rtol=0)

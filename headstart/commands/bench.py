@@ -116,10 +116,11 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,
                               categories, args.seed, args.breakdown, **options)  # fmt: skip
     table = bench.summarize(records)
-    packed = engine.target.packed
+    packed, grouped = engine.target.packed, "grouped-query" if engine.target.grouped else "stock"
     machine = (
         f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"{args.dtype}, {args.device}, model {args.model}, kernels {packed.kind} (packed in {packed.seconds:.2f} s)"
+        f"{args.dtype}, {args.device}, model {args.model}, kernels {packed.kind} (packed in {packed.seconds:.2f} s), "
+        f"{grouped} tree attention"
     )
     meta = {"command": "headstart " + " ".join(argv), "machine": machine}
     json_path, md_path, png_path = bench.save(records, table, Path(args.out), meta)
