@@ -132,16 +132,19 @@ def test_fast_target_verifies_a_tree_without_repeating_the_cache(monkeypatch):
     fast target never calls it, and still scores every node as the stock target does."""
     import transformers.integrations.sdpa_attention as sdpa
 
-    scored = {}
+    real, repeats, scored = sdpa.repeat_kv, {}, {}
+
+    def counted(hidden_states, n_rep):
+        repeats[fast] += 1
+        return real(hidden_states, n_rep)
+
+    monkeypatch.setattr(sdpa, "repeat_kv", counted)
     for fast in (False, True):
         model = tiny_llama(vocab_size=64, init_std=0.2)
         target = Target(model, fast=fast)
         assert target.grouped == fast and (model.config._attn_implementation == GROUPED_SDPA) == fast
         target.prefill(PROMPT)
-        repeats = []
-        real = sdpa.repeat_kv
-        monkeypatch.setattr(sdpa, "repeat_kv", lambda h, n: repeats.append(n) or real(h, n))
+        repeats[fast] = 0
         scored[fast] = target.verify(3, DraftTree([1, 2, 3, 4], [-1, 0, -1, 2])).logits
-        monkeypatch.setattr(sdpa, "repeat_kv", real)
-        assert bool(repeats) != fast  # stock: once per layer for keys and values; fast: never
+    assert repeats == {False: 2 * 2, True: 0}  # stock: keys and values in each of the 2 layers; fast: never
     torch.testing.assert_close(scored[True], scored[False], atol=1e-4, rtol=0)
