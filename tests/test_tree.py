@@ -6,7 +6,8 @@ from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
 
 from headstart.heads.masks import additive_mask
 from headstart.runtime.attention import AttentionLayout
-from headstart.runtime.tree import DraftTree, TreeGrower, tree_visibility
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, tree_visibility
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -219,3 +220,35 @@ def test_tree_growth_stops_below_min_prob():
     assert grow.choose(frontier) == frontier  # a, b
     frontier = grow.add_children(frontier, torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.06, 0.04]]).log())
     assert grow.choose(frontier) == []
+
+
+def test_sampled_siblings_are_drawn_without_replacement_from_what_they_record():
+    """A root with 3 sampled children over q = (0.5, 0.3, 0.15, 0.05, 0) (T = 1): 12,000 draws. Child 1 follows q,
+    child 2 q without child 1 (renormalised), child 3 q without both; each child records exactly that row; the
+    token of probability 0 never comes out, nor a repeated sibling; with top_k = 2 only two children exist."""
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = q.log()[None].expand(2, 5)  # two parents with the same q: rows drawn independently
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3, 5)
+    for _ in range(12_000 // 2):
+        sampler = ShapeSampler([(0,), (1,), (2,), (0, 0)], SamplingParams(1.0), 5, gen)
+        sampler.paths = [(0,)]  # node 0 stands for a second parent with the root's shape below it
+        sampler.kids[(0,)] = sampler.kids[()]
+        new = sampler.add_children([-1, 0], logits)
+        assert len(new) == 6
+        for i, node in enumerate(new):
+            j, token = i % 3, sampler.tokens[node]
+            drawn_before = [sampler.tokens[n] for n in new[i - j : i]]
+            assert token not in drawn_before and q[token] > 0
+            want = q.clone()
+            want[drawn_before] = 0
+            torch.testing.assert_close(sampler.rows[node], want / want.sum())
+            counts[j, token] += 1
+    freq = counts / counts.sum(-1, keepdim=True)
+    second = sum(q[a] * torch.where(torch.arange(5) == a, 0.0, q / (1 - q[a])) for a in range(4))
+    third = sum(q[a] * q[b] / (1 - q[a]) * torch.where((torch.arange(5) == a) | (torch.arange(5) == b), 0.0,
+                q / (1 - q[a] - q[b])) for a in range(4) for b in range(4) if a != b)  # fmt: skip
+    for got, want in zip(freq, (q, second, third), strict=True):
+        torch.testing.assert_close(got, want, atol=0.02, rtol=0)  # 4 standard errors
+    sampler = ShapeSampler([(0,), (1,), (2,)], SamplingParams(1.0, top_k=2), 5, gen)
+    assert len(sampler.add_children([-1], q.log()[None])) == 2  # q has two tokens left after top-k
