@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicLayer
 from headstart.heads.masks import additive_mask
 from headstart.runtime.attention import AttentionLayout
 from headstart.runtime.kvcache import MIN_CAPACITY  # positions a slot holds at first; doubling past it
+from headstart.runtime.sampling import draw
 
 PREFILL_TOKENS = 8192  # padded tokens a prefill forward feeds at most
 
@@ -203,7 +204,7 @@ def decode_batched(
             chosen = logits.argmax(-1).tolist()
         else:
             probs = torch.softmax(logits / temperature, dim=-1)
-            chosen = [int(torch.multinomial(p, 1, generator=s.generator)) for p, s in zip(probs, live, strict=True)]
+            chosen = [int(draw(p[None], s.generator)[0]) for p, s in zip(probs, live, strict=True)]
         done = []
         for slot, (seq, token) in enumerate(zip(live, chosen, strict=True)):
             seq.tokens.append(token)

@@ -78,4 +78,23 @@ class Sampler:
 
     def categorical(self, probs: torch.Tensor) -> int:
         """One index drawn from the (V,) distribution `probs` (need not be normalised)."""
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(draw(probs[None], self.generator)[0])
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator, cdf: torch.Tensor | None = None) -> torch.Tensor:
+    """(m,) one index per row of `weights` (m, N) (need not be normalised), index i with probability
+    weights_i / total: the first index whose cumulative weight exceeds u * total (`cdf`: weights.cumsum(-1), if
+    already computed). One cumulative sum per row; `torch.multinomial` costs ~1.5 ms for one draw over 49,152
+    tokens on a CPU, this ~0.05 ms. A pick of zero weight (float rounding at a block edge of the sum, or u * total
+    rounding up to total) is drawn again, so only indices of positive weight come out. Rows of total 0 get some
+    index."""
+    cdf = weights.cumsum(-1) if cdf is None else cdf  # (m, N)
+    total = cdf[:, -1:]  # (m, 1)
+    pick, redraw = None, None
+    while True:
+        u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device)
+        drawn = torch.searchsorted(cdf, u * total, right=True).clamp_max(cdf.shape[1] - 1)  # (m, 1)
+        pick = drawn if pick is None else torch.where(redraw, drawn, pick)
+        redraw = (weights.gather(-1, pick) <= 0) & (total > 0)
+        if not redraw.any():
+            return pick[:, 0]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headstart.runtime.sampling import SamplingParams, target_probs
+from headstart.runtime.sampling import SamplingParams, draw, target_probs
 
 
 @dataclass
@@ -178,22 +178,6 @@ class TreeGrower:
         return rerank(self.tokens, self.parents, self.scores, self.budget)
 
 
-def _inverse_cdf_draw(weights: torch.Tensor, cdf: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """(m, 1): per row, index i with probability weights_i / total (`cdf` = weights.cumsum(-1), (m, N)): the first
-    index whose cumulative weight exceeds u * total. A pick of zero weight (float rounding at a block edge of the
-    sum, or u * total rounding up to total) is drawn again, so only indices of positive weight come out. Rows of
-    total 0 get some index."""
-    total = cdf[:, -1:]  # (m, 1)
-    pick, redraw = None, None
-    while True:
-        u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device)
-        drawn = torch.searchsorted(cdf, u * total, right=True).clamp_max(cdf.shape[1] - 1)  # (m, 1)
-        pick = drawn if pick is None else torch.where(redraw, drawn, pick)
-        redraw = (weights.gather(-1, pick) <= 0) & (total > 0)
-        if not redraw.any():
-            return pick
-
-
 class ShapeSampler(TreeGrower):
     """A static tree shape filled with SAMPLED tokens, grown depth by depth like TreeGrower.
 
@@ -233,8 +217,8 @@ class ShapeSampler(TreeGrower):
         `to_target` maps a reduced vocabulary's indices to token ids. Returns the new nodes.
 
         Draw j of a row comes from q without draws 1..j-1, renormalised (that row is what the child records):
-        one inverse-CDF draw per sibling rank for all rows at once, a cumulative sum over N each (N
-        exponential variates per row, the Gumbel top-c way, cost ~1 ms a depth on a CPU)."""
+        one inverse-CDF draw (`sampling.draw`) per sibling rank for all rows at once (Gumbel top-c, one op for
+        every rank, draws N exponential variates per row: ~1 ms a depth on a CPU)."""
         counts = [len(self.kids.get(self._path(parent), [])) for parent in parents]
         q = target_probs(logits, self.sampling)  # (m, N)
         c = max(counts)
@@ -247,9 +231,8 @@ class ShapeSampler(TreeGrower):
             total = cdf[:, -1:]  # (m, 1)
             alive[:, j] = total[:, 0] > 0
             rows[:, j] = remaining / total.clamp_min(torch.finfo(q.dtype).tiny)
-            pick = _inverse_cdf_draw(remaining, cdf, self.generator)  # (m, 1)
-            drawn[:, j] = pick[:, 0]
-            remaining.scatter_(-1, pick, 0.0)
+            drawn[:, j] = draw(remaining, self.generator, cdf)
+            remaining.scatter_(-1, drawn[:, j : j + 1], 0.0)
         taken = q.gather(-1, drawn)  # (m, c) q of each draw; 0 once q has no tokens left
         ok = (alive & (taken > 0)).tolist()
         ids = (drawn if to_target is None else to_target(drawn)).tolist()

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from headstart.heads.masks import additive_mask
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import TreeOptions
-from headstart.runtime.sampling import SamplingParams, target_probs
+from headstart.runtime.sampling import SamplingParams, draw, target_probs
 from headstart.runtime.tree import DraftTree, TreeGrower
 
 
@@ -175,7 +175,7 @@ class ModelDrafter(SamplingDrafter):
                 tokens.append(int(logits.argmax()))
             else:
                 q = target_probs(logits, self.sampling)  # (V,) the distribution really sampled from
-                tokens.append(int(torch.multinomial(q, 1, generator=self.generator)))
+                tokens.append(int(draw(q[None], self.generator)[0]))
                 rows.append(q)
             if step < self.depth - 1:
                 logits = self._feed(tokens[-1:])
