@@ -84,17 +84,15 @@ class Sampler:
 def draw(weights: torch.Tensor, generator: torch.Generator, cdf: torch.Tensor | None = None) -> torch.Tensor:
     """(m,) one index per row of `weights` (m, N) (need not be normalised), index i with probability
     weights_i / total: the first index whose cumulative weight exceeds u * total (`cdf`: weights.cumsum(-1), if
-    already computed). One cumulative sum per row; `torch.multinomial` costs ~1.5 ms for one draw over 49,152
-    tokens on a CPU, this ~0.05 ms. A pick of zero weight (float rounding at a block edge of the sum, or u * total
-    rounding up to total) is drawn again, so only indices of positive weight come out. Rows of total 0 get some
-    index."""
+    already computed). One cumulative sum per row and no host sync; `torch.multinomial` costs ~1.5 ms for one
+    draw over 49,152 tokens on a CPU, this ~0.05 ms. u * total is kept below total, so an index always exists; a
+    CPU cumulative sum adds sequentially, so a zero weight never raises it and is never drawn. A parallel sum (a
+    GPU's) may round a step up by an ulp at a zero weight: such a pick becomes the row's heaviest index instead
+    (an ulp-wide event). Rows of total 0 get some index."""
     cdf = weights.cumsum(-1) if cdf is None else cdf  # (m, N)
     total = cdf[:, -1:]  # (m, 1)
-    pick, redraw = None, None
-    while True:
-        u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device)
-        drawn = torch.searchsorted(cdf, u * total, right=True).clamp_max(cdf.shape[1] - 1)  # (m, 1)
-        pick = drawn if pick is None else torch.where(redraw, drawn, pick)
-        redraw = (weights.gather(-1, pick) <= 0) & (total > 0)
-        if not redraw.any():
-            return pick[:, 0]
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    below = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))  # (m, 1) in [0, total)
+    pick = torch.searchsorted(cdf, below, right=True).clamp_max(cdf.shape[1] - 1)  # (m, 1)
+    pick = torch.where(weights.gather(-1, pick) > 0, pick, weights.argmax(-1, keepdim=True))
+    return pick[:, 0]
