@@ -84,7 +84,7 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     head (a copy of the whole cache in every layer, every round; on CPU, masked SDPA takes no `enable_gqa`).
     Here the query heads that share a key/value head are stacked as extra query rows instead, so attention reads
     the cache as it is; only the mask, (q, past + q), is repeated for them. The same products per (query, key),
-    so the same values as stock SDPA (tests/test_attention.py)."""
+    so the same values as stock SDPA (tests/test_fast_path.py)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, q, D = query.shape  # (B, H, q, D) queries; key, value: (B, G, k, D) with G key/value heads

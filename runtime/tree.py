@@ -217,8 +217,8 @@ class ShapeSampler(TreeGrower):
         `to_target` maps a reduced vocabulary's indices to token ids. Returns the new nodes.
 
         Draw j of a row comes from q without draws 1..j-1, renormalised (that row is what the child records):
-        one inverse-CDF draw (`sampling.draw`) per sibling rank for all rows at once (Gumbel top-c, one op for
-        every rank, draws N exponential variates per row: ~1 ms a depth on a CPU)."""
+        one inverse-CDF draw (`sampling.draw`) per sibling rank for all rows at once (not Gumbel top-c: its one op
+        for every rank draws N exponential variates per row, ~1 ms a depth on a CPU)."""
         counts = [len(self.kids.get(self._path(parent), [])) for parent in parents]
         q = target_probs(logits, self.sampling)  # (m, N)
         c = max(counts)
