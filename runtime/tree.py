@@ -225,16 +225,14 @@ class ShapeSampler(TreeGrower):
         remaining = q.clone()  # (m, N) q without the draws so far
         drawn = torch.empty(len(q), c, dtype=torch.long, device=q.device)  # (m, c)
         rows = q.new_empty(len(q), c, q.shape[1])  # (m, c, N) the distribution draw j came from
-        alive = torch.empty(len(q), c, dtype=torch.bool, device=q.device)  # (m, c) q had a token left for draw j
+        drawn_weight = q.new_empty(len(q), c)  # (m, c) draw j's weight in its row; 0 once q has no tokens left
         for j in range(c):
             cdf = remaining.cumsum(-1)  # (m, N)
-            total = cdf[:, -1:]  # (m, 1)
-            alive[:, j] = total[:, 0] > 0
-            rows[:, j] = remaining / total.clamp_min(torch.finfo(q.dtype).tiny)
+            rows[:, j] = remaining / cdf[:, -1:].clamp_min(torch.finfo(q.dtype).tiny)
             drawn[:, j] = draw(remaining, self.generator, cdf)
+            drawn_weight[:, j] = remaining.gather(-1, drawn[:, j : j + 1])[:, 0]
             remaining.scatter_(-1, drawn[:, j : j + 1], 0.0)
-        taken = q.gather(-1, drawn)  # (m, c) q of each draw; 0 once q has no tokens left
-        ok = (alive & (taken > 0)).tolist()
+        ok = (drawn_weight > 0).tolist()
         ids = (drawn if to_target is None else to_target(drawn)).tolist()
         new = []
         for i, parent in enumerate(parents):
