@@ -7,6 +7,12 @@ measured, not looked up by model name: `cost_curve` times the target's forward a
 own device and dtype (a few seconds, once; cached per model, device, dtype, kernels and torch), and
 `choose_budget` takes the budget with the most expected tokens per millisecond. A flat curve (a GPU at
 batch 1) buys a larger tree than a steep one (a 2-core CPU in float32).
+
+The accuracies are the heads' training metrics: teacher-forced, greedy, on the training distribution.
+Live traffic accepts what it accepts (another domain, a sampled tree at T > 0), so `LiveSizer` keeps
+the choice up to date from the acceptance the drafter sees: every `every` rounds it fits one factor c on
+the accuracies (depth d's paths scale as c^d) that makes the expected acceptance of the tree in use equal
+the one seen, and chooses again. Greedy and sampled trees keep factors of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch
 
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree, choose_tree_shape, expected_acceptance_length
+
+Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents first (`choose_tree_shape`)
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row counts timed (root + nodes)
 PAST = 256  # cached tokens while timing (a typical chat prompt)
@@ -96,6 +104,7 @@ class TreeChoice:
     expected_tokens: float  # per round (expected acceptance length)
     round_ms: float  # forward over budget + 1 rows + drafting
     plain_ms: float  # a forward over one row
+    shape: Shape = ()  # the best static tree of `budget` nodes (what a sampled tree draws)
 
     @property
     def expected_speedup(self) -> float:
@@ -119,9 +128,67 @@ def choose_budget(
         depth = max(len(path) for path in shape)
         tokens = expected_acceptance_length(rank_accuracy, shape)
         ms = cost_at(curve, budget + 1) + draft_ms_per_depth * depth
-        choice = TreeChoice(budget, depth, tokens, ms, cost_at(curve, 1))
+        choice = TreeChoice(budget, depth, tokens, ms, cost_at(curve, 1), tuple(shape))
         if best is None or tokens / ms > best.expected_tokens / best.round_ms:
             best = choice
     if best is None:
         raise ValueError("no tree: the heads' rank accuracies are all zero")
     return best
+
+
+def scale_accuracy(rank_accuracy: list[list[float]], factor: float) -> list[list[float]]:
+    """Every probability times `factor`, a depth's ranks together never above 1 (scaled back to sum 1)."""
+    rows = [[a * factor for a in row] for row in rank_accuracy]
+    return [[a / max(sum(row), 1.0) for a in row] for row in rows]
+
+
+def fit_factor(
+    rank_accuracy: list[list[float]], shape: Shape, observed: float, low: float = 1 / 16, high: float = 8.0
+) -> float:
+    """The factor c in [low, high] for which `shape`'s expected acceptance length under
+    `scale_accuracy(rank_accuracy, c)` is `observed` (tokens per round, the target's own token included), by
+    bisection: it grows with c, so a length out of reach gives the nearer bound."""
+    for _ in range(40):
+        mid = (low + high) / 2
+        if expected_acceptance_length(scale_accuracy(rank_accuracy, mid), list(shape)) < observed:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+class LiveSizer:
+    """A drafter's tree size, kept the best for the acceptance seen on live traffic.
+
+    Starts from the heads' training metrics (`rank_accuracy`); every `every` rounds of a kind (greedy or
+    sampled), it fits the factor that makes the expected acceptance of that kind's tree in use equal the
+    mean seen (`fit_factor`), moves its factor halfway there in log space (one window never overrules all
+    the evidence before it), and chooses the budget again on the scaled accuracies (`choose_budget`).
+    One sizer may serve every drafter of a spec on an engine: they see the same traffic.
+    """
+
+    def __init__(
+        self, curve: dict[int, float], rank_accuracy: list[list[float]], draft_ms_per_depth: float, every: int = 64
+    ) -> None:
+        self.curve, self.rank_accuracy, self.draft_ms, self.every = curve, rank_accuracy, draft_ms_per_depth, every
+        first = choose_budget(curve, rank_accuracy, draft_ms_per_depth)
+        self.factor = {False: 1.0, True: 1.0}  # sampled? -> factor on the accuracies
+        self.choice = {False: first, True: first}
+        self._seen = {False: [0, 0], True: [0, 0]}  # sampled? -> [rounds, draft tokens accepted]
+
+    def record(self, sampled: bool, accepted: int) -> TreeChoice | None:
+        """One round of a `sampled` (T > 0) or greedy tree whose heads' nodes gave `accepted` tokens; the new
+        choice of that kind when this round ends a window and the tree changes, else None."""
+        seen = self._seen[sampled]
+        seen[0] += 1
+        seen[1] += accepted
+        if seen[0] < self.every:
+            return None
+        rounds, tokens = seen
+        seen[:] = [0, 0]
+        old = self.choice[sampled]
+        fitted = fit_factor(self.rank_accuracy, old.shape, 1 + tokens / rounds)
+        self.factor[sampled] = (self.factor[sampled] * fitted) ** 0.5
+        new = choose_budget(self.curve, scale_accuracy(self.rank_accuracy, self.factor[sampled]), self.draft_ms)
+        self.choice[sampled] = new
+        return new if (new.budget, new.depth, new.shape) != (old.budget, old.depth, old.shape) else None

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.checkpoint import HeadsConfig
-from headstart.runtime.calibrate import TreeChoice, choose_budget, cost_curve
+from headstart.runtime.calibrate import LiveSizer, TreeChoice, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
 from headstart.runtime.generate import GenerationStats, stream
@@ -69,7 +69,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.drafter = drafter or Drafter()
         self.model_name, self.profile, self.adapter = model_name, profile, adapter
-        self._tree_choices: dict[tuple[str, str], TreeChoice] = {}
+        self._sizers: dict[tuple[str, str], LiveSizer] = {}  # (drafter, heads) -> its live tree size
         self.eos_ids = eos_ids(model, tokenizer)
 
     @classmethod
@@ -110,18 +110,31 @@ class Engine:
     def make_drafter(self, spec: str, **options: Any) -> Drafter:
         """A new drafter for this engine's model and profile (`registry.make_drafter`). Trained heads with
         measured per-rank accuracies get the tree budget this device makes best (`tree_choice`) unless a budget
-        or a profile is given."""
-        choice = self.tree_choice(spec, **options)
-        if choice is not None:
-            sized = {"budget": choice.budget, "sampled_budget": choice.budget, "depth": choice.depth}
+        or a profile is given; EAGLE drafters then keep it the best for the acceptance they see (the sizer
+        is shared by every drafter of the spec made here)."""
+        sizer = self._sizer(spec, **options)
+        given = options
+        if sizer is not None:
+            greedy, sampled = sizer.choice[False], sizer.choice[True]
+            sized = {"budget": greedy.budget, "sampled_budget": sampled.budget, "depth": greedy.depth}
             takes = option_names(spec)
             options = {**options, **{k: v for k, v in sized.items() if k in takes and options.get(k) is None}}
-        return make_drafter(spec, self.target.model, self.tokenizer, model_name=self.model_name,
-                            profile=self.profile, **options)  # fmt: skip
+        drafter = make_drafter(spec, self.target.model, self.tokenizer, model_name=self.model_name,
+                               profile=self.profile, **options)  # fmt: skip
+        heads = getattr(drafter, "inner", drafter)  # a graft's heads
+        if sizer is not None and hasattr(heads, "resize") and all(given.get(k) is None for k in sized):
+            heads.resize(sampled, sampled=True)  # the sampled shape as the sizer has it now
+            heads.sizer = sizer
+        return drafter
 
     def tree_choice(self, spec: str, **options: Any) -> TreeChoice | None:
-        """The calibrated tree of `spec` (`runtime/calibrate.py`): None when a profile or a budget was given,
-        when the drafter has no trained heads, or their config holds no per-rank accuracies."""
+        """The calibrated greedy tree of `spec` as it stands (`runtime/calibrate.py`): None when a profile or a
+        budget was given, when the drafter has no trained heads, or their config holds no per-rank accuracies."""
+        sizer = self._sizer(spec, **options)
+        return sizer.choice[False] if sizer is not None else None
+
+    def _sizer(self, spec: str, **options: Any) -> LiveSizer | None:
+        """The live tree size of `spec` (`tree_choice`), measured and chosen on first use."""
         base = parse_spec(spec).base
         if self.profile is not None or options.get("budget") is not None or base not in CALIBRATED:
             return None
@@ -131,10 +144,10 @@ class Engine:
         if not accuracy:
             return None
         key = (base, str(heads))
-        if key not in self._tree_choices:
+        if key not in self._sizers:
             curve = cost_curve(self.target, cache_dir() / "costs")
-            self._tree_choices[key] = choose_budget(curve, accuracy, self._draft_ms_per_depth(spec, **options))
-        return self._tree_choices[key]
+            self._sizers[key] = LiveSizer(curve, accuracy, self._draft_ms_per_depth(spec, **options))
+        return self._sizers[key]
 
     def _draft_ms_per_depth(self, spec: str, **options: Any) -> float:
         """ms of drafting per tree depth, measured: a short greedy decode of a synthetic prompt with `spec`'s

@@ -1,13 +1,16 @@
-"""Trees sized by measured cost: the choice on synthetic cost curves, interpolation, the cached curve."""
+"""Trees sized by measured cost: the choice on synthetic cost curves, interpolation, the cached curve, the
+live resizing from the acceptance seen."""
 
 import copy
 
 import pytest
 
 from headstart.runtime import calibrate
-from headstart.runtime.calibrate import choose_budget, cost_at, cost_curve
+from headstart.runtime.calibrate import LiveSizer, choose_budget, cost_at, cost_curve, fit_factor, scale_accuracy
 from headstart.runtime.engine import Engine
+from headstart.runtime.generate import stream
 from headstart.runtime.target import Target
+from headstart.runtime.tree import choose_tree_shape, expected_acceptance_length
 from helpers.models import tiny_llama
 
 # an EAGLE head's measured per-depth, per-rank accuracies (the shape of the shipped head's)
@@ -62,3 +65,49 @@ def test_engine_sizes_trained_heads_unless_told(tiny_drafters, tmp_path, monkeyp
     assert engine.make_drafter("eagle", heads=heads, budget=3).budget == 3  # a given budget wins
     assert engine.tree_choice("lookup") is None
     assert Engine(copy.deepcopy(model), tokenizer, profile="neutral").tree_choice("eagle", heads=heads) is None
+
+
+def test_fit_factor_inverts_the_expected_acceptance():
+    shape = choose_tree_shape(ACCURACY, 12)
+    for factor in (0.2, 0.8, 1.0, 1.3):  # 1.3: depth 1's ranks would sum past 1 and are scaled back to 1
+        observed = expected_acceptance_length(scale_accuracy(ACCURACY, factor), shape)
+        assert fit_factor(ACCURACY, tuple(shape), observed) == pytest.approx(factor, abs=1e-4)
+    assert sum(scale_accuracy(ACCURACY, 1.3)[0]) == pytest.approx(1.0)
+    assert fit_factor(ACCURACY, tuple(shape), 1.0) == pytest.approx(1 / 16)  # nothing accepted: the lower bound
+    assert fit_factor(ACCURACY, tuple(shape), 99.0) == pytest.approx(8.0)
+
+
+def test_live_acceptance_resizes_greedy_and_sampled_trees_apart():
+    sizer = LiveSizer(STEEP, ACCURACY, draft_ms_per_depth=0.5, every=8)
+    start = sizer.choice[False]
+    assert sizer.choice[True] == start and start.shape == tuple(choose_tree_shape(ACCURACY, start.budget))
+    # sampled rounds accept less than the greedy metrics promise: the sampled tree shrinks, the greedy one stays
+    changes = [sizer.record(True, 0) for _ in range(8 * 3)]
+    assert [c is not None for c in changes].count(True) >= 1 and all(c is None for c in changes[:7])
+    assert sizer.choice[True].budget < start.budget and sizer.choice[False] == start
+    assert sizer.factor[True] == pytest.approx((1 / 16) ** (1 - 0.5**3), rel=1e-3)  # halfway to 1/16, 3 times
+    # greedy rounds that accept every node of the tree: the greedy tree grows
+    for _ in range(8 * 3):
+        sizer.record(False, start.depth)
+    assert sizer.choice[False].budget > start.budget and sizer.factor[False] > 1
+
+
+def test_engine_drafters_resize_from_what_they_accept(tiny_drafters, tmp_path, monkeypatch):
+    model, tokenizer, options = tiny_drafters
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    engine = Engine(copy.deepcopy(model), tokenizer)
+    heads = options["eagle"]["heads"]
+    graft = engine.make_drafter("eagle+lookup", heads=heads)
+    eagle = graft.inner
+    sizer = engine._sizer("eagle", heads=heads)
+    assert eagle.sizer is sizer and engine.make_drafter("eagle", heads=heads).sizer is sizer  # one per spec
+    assert engine.make_drafter("eagle", heads=heads, depth=2).sizer is None  # a given size is kept as given
+    sizer.every = 4
+    start = sizer.choice[False]
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    plain = [t for chunk in stream(engine.target, prompt, max_new_tokens=40) for t in chunk.tokens]
+    tokens = [t for chunk in stream(engine.target, prompt, graft, max_new_tokens=40) for t in chunk.tokens]
+    assert tokens == plain  # resizing between rounds changes no token
+    # random heads accept less than their recorded accuracies: the tree in use shrinks with the fitted factor
+    assert sizer.factor[False] < 1 and sizer.choice[False] != start
+    assert (eagle.budget, eagle.depth) == (sizer.choice[False].budget, sizer.choice[False].depth)

@@ -19,6 +19,10 @@ depth-by-depth head forwards, but each expanded node's children are drawn from t
 without replacement and carry q, so verification accepts with min(1, p/q) rather than p(x) of a
 point mass. A dynamic tree cannot be sampled this way: keeping the likeliest drawn nodes would bias
 which tokens are proposed.
+
+With a `sizer` (`runtime.calibrate.LiveSizer`, set by `Engine.make_drafter` for calibrated heads) the
+drafter reports after every round how many of its own nodes were accepted (grafted lookup nodes not
+counted) and takes the budget, depth or sampled shape the sizer chooses from them (`resize`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from transformers import DynamicCache
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.masks import additive_mask
+from headstart.runtime.calibrate import LiveSizer, TreeChoice
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.kernels import prepack_like_target
@@ -64,6 +69,15 @@ class EagleDrafter(SamplingDrafter):
         self.shape = choose_tree_shape(rank_accuracy, o.sampled_budget) if rank_accuracy else None
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
+        self.sizer: LiveSizer | None = None
+        self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
+
+    def resize(self, choice: TreeChoice, sampled: bool) -> None:
+        """Take the budget and depth (greedy) or the static shape (sampled) of `choice`."""
+        if sampled:
+            self.shape = list(choice.shape)
+        else:
+            self.budget, self.depth = choice.budget, choice.depth
 
     @property
     def _committed(self) -> int:
@@ -96,19 +110,27 @@ class EagleDrafter(SamplingDrafter):
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         rows = [0, *(i + 1 for i in path)]  # the root and the accepted nodes: their true features
         self._commit(hidden[rows], [*(tree.tokens[i] for i in path), next_token])
+        if self.sizer is not None and self._drafted and len(tree):
+            ours = next((k for k, node in enumerate(path) if node >= self._drafted), len(path))
+            sampled = self.shape is not None and not self.sampling.greedy
+            choice = self.sizer.record(sampled, ours)
+            if choice is not None:
+                self.resize(choice, sampled)
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
+        self._drafted = 0
         if self._root_feature is None:
             return DraftTree()
         past = self._committed
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
         if self.shape is not None and not self.sampling.greedy:
             grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator)
+            deepest = max(map(len, self.shape))
         else:
-            grow = TreeGrower(self.top_k, self.budget, self.min_prob)
+            grow, deepest = TreeGrower(self.top_k, self.budget, self.min_prob), self.depth
         frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)
-        for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
+        for depth in range(1, deepest):  # expand nodes at `depth`: their children are at depth + 1
             expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
             if not expand:
                 break
@@ -121,4 +143,6 @@ class EagleDrafter(SamplingDrafter):
             frontier = grow.add_children(expand, logits, self.readout.to_target)
         if grow.n_drafted:
             self.cache.crop(-grow.n_drafted)  # drafted entries never stay in the head's cache
-        return grow.tree()
+        tree = grow.tree()
+        self._drafted = len(tree)
+        return tree
