@@ -161,9 +161,11 @@ class LiveSizer:
     """A drafter's tree size, kept the best for the acceptance seen on live traffic.
 
     Starts from the heads' training metrics (`rank_accuracy`); every `every` rounds of a kind (greedy or
-    sampled), it fits the factor that makes the expected acceptance of that kind's tree in use equal the
-    mean seen (`fit_factor`), moves its factor halfway there in log space (one window never overrules all
-    the evidence before it), and chooses the budget again on the scaled accuracies (`choose_budget`).
+    sampled), it fits the factor that makes the expected acceptance of that kind's tree equal the mean seen
+    (`fit_factor`; the tree modelled by the best static shape of its budget: a greedy dynamic tree's real
+    shape varies by round, and the factor absorbs what that gains), moves its factor halfway there in log
+    space (one window never overrules all the evidence before it), and chooses the budget again on the
+    scaled accuracies (`choose_budget`).
     One sizer may serve every drafter of a spec on an engine: they see the same traffic.
     """
 
