@@ -188,13 +188,20 @@ class ShapeSampler(TreeGrower):
     renormalised. Whether a sibling is proposed never depends on its own token (only on the shape and
     on the earlier draws: fewer siblings when q has fewer tokens), which keeps `accept_path` exact.
     Ranks only order siblings: the j-th child drawn takes the j-th smallest rank among its node's
-    children in the shape.
+    children in the shape. A node gets its children only when its path is at least `min_prob` likely under
+    q (the product of q over its tokens): a function of the path alone, as any proposal below an accepted
+    node may be, so exactness holds; the children of an unlikely path rarely repay a draft forward.
     """
 
     def __init__(
-        self, shape: list[tuple[int, ...]], sampling: SamplingParams, vocab_size: int, generator: torch.Generator
+        self,
+        shape: list[tuple[int, ...]],
+        sampling: SamplingParams,
+        vocab_size: int,
+        generator: torch.Generator,
+        min_prob: float = 0.0,
     ) -> None:
-        super().__init__(top_k=0, budget=len(shape))
+        super().__init__(top_k=0, budget=len(shape), min_prob=min_prob)
         self.kids: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # path -> child paths, by rank
         for path in shape:
             self.kids.setdefault(path[:-1], []).append(path)
@@ -209,8 +216,8 @@ class ShapeSampler(TreeGrower):
         return self.paths[node] if node >= 0 else ()
 
     def choose(self, frontier: list[int]) -> list[int]:
-        """Every frontier node that has children in the shape."""
-        return [n for n in frontier if self.kids.get(self._path(n))]
+        """Every frontier node that has children in the shape and a path at least `min_prob` likely under q."""
+        return [n for n in frontier if self.kids.get(self._path(n)) and self.scores[n] >= self.min_logp]
 
     def add_children(self, parents: list[int], logits: torch.Tensor, to_target=None) -> list[int]:
         """Draw the shape's children of each of `parents` (-1 = root) from its logits (m, N); N < V when
@@ -232,16 +239,19 @@ class ShapeSampler(TreeGrower):
             drawn[:, j] = draw(remaining, self.generator, cdf)
             drawn_weight[:, j] = remaining.gather(-1, drawn[:, j : j + 1])[:, 0]
             remaining.scatter_(-1, drawn[:, j : j + 1], 0.0)
-        ok = (drawn_weight > 0).tolist()
-        ids = (drawn if to_target is None else to_target(drawn)).tolist()
+        ids = drawn if to_target is None else to_target(drawn)
+        # one copy to the host: (3, m, c) token ids, draw weights (0: q had no tokens left), log q of the draws
+        host = torch.stack([ids.double(), drawn_weight.double(), q.gather(-1, drawn).double().log()]).tolist()
         new = []
         for i, parent in enumerate(parents):
+            base = self.scores[parent] if parent >= 0 else 0.0
             for j, path in enumerate(self.kids.get(self._path(parent), [])):
-                if not ok[i][j]:
+                if not host[1][i][j] > 0:
                     break  # q has fewer tokens than the shape has siblings here
                 new.append(len(self.tokens))
-                self.tokens.append(ids[i][j])
+                self.tokens.append(int(host[0][i][j]))
                 self.parents.append(parent)
+                self.scores.append(base + host[2][i][j])
                 self.paths.append(path)
                 self.rows.append(rows[i, j])
         self.to_target = to_target

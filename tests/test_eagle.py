@@ -6,6 +6,7 @@ import torch
 
 from headstart.runtime.drafters.eagle import EagleDrafter
 from headstart.runtime.drafters.options import EagleOptions
+from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.tree import rerank
 from helpers.exactness import (
@@ -102,6 +103,22 @@ def sampled_tree_drafter(model) -> EagleDrafter:
     return EagleDrafter(heads, model.model.embed_tokens, model.lm_head, EagleOptions(sampled_budget=6), acc)
 
 
+def test_sampled_tree_pruned_below_min_prob_still_follows_the_target():
+    """min_prob 0.3 on the sampled tree: the children of unlikely paths are never drawn (fewer nodes than the
+    shape's 6 in most rounds), and the first 3 tokens still follow the target's exact distribution."""
+    model = sampling_model()
+    heads, acc = random_heads("eagle", model, 0.1), [[0.5, 0.3], [0.4, 0.3], [0.5]]
+    options = EagleOptions(sampled_budget=6, min_prob=0.3)
+    drafter = EagleDrafter(heads, model.model.embed_tokens, model.lm_head, options, acc)
+    target, prompt = Target(model), [1, 2, 3, 4, 5]
+    sizes = []
+    for seed in range(20):
+        drafter.start(prompt, target.prefill(prompt[:-1]), SamplingParams(temperature=0.8, top_p=0.9), seed)
+        sizes.append(len(drafter.propose(prompt)))
+    assert min(sizes) >= 1 and sum(size < 6 for size in sizes) >= 10, sizes
+    assert_first_three_follow_target(model, prompt, drafter)
+
+
 def test_sampled_tree_shape_comes_from_the_rank_accuracies():
     """The tree sampled at T > 0 (exactness: tests/test_drafter_contract.py) has the shape the accuracies give."""
     assert sampled_tree_drafter(sampling_model()).shape == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -110,7 +127,6 @@ def test_sampled_tree_shape_comes_from_the_rank_accuracies():
 def test_trained_heads_sample_their_tree_above_temperature_zero(tmp_path, tiny_model_dir):
     from headstart.runtime.drafters.registry import make_drafter
     from headstart.runtime.models import load_model
-    from headstart.runtime.sampling import SamplingParams
     from helpers.exactness import train_tiny_heads
 
     heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "eagle")

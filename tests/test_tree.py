@@ -1,5 +1,7 @@
 """Tree attention masks and position ids against masks drawn out by hand."""
 
+import math
+
 import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
@@ -183,6 +185,36 @@ def test_shape_sampler_stops_when_q_runs_out():
     grow.add_children([-1], torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]))
     tree = grow.tree()
     assert sorted(tree.tokens) == [3, 4] and tree.parents == [-1, -1]  # top-k 2 leaves two tokens
+
+
+def test_shape_sampler_gives_children_only_to_paths_likely_enough():
+    """Every node of the shape has two children (three deep). q over 3 tokens: (0.6, 0.4, 0) at the root,
+    (0.5, 0.5, 0) below it, so whatever the order of the draws, the path probabilities are
+
+        root ├─ x (tok 0) 0.6  ├─ 0.6 x 0.5 = 0.30  → children (>= 0.25)
+             │                 └─ 0.6 x 0.5 = 0.30  → children
+             └─ y (tok 1) 0.4  ├─ 0.4 x 0.5 = 0.20  → none (< 0.25)
+                               └─ 0.4 x 0.5 = 0.20  → none
+
+    With min_prob 0.25 both depth-1 nodes are expanded and only x's children at depth 2; with 0.5 only x."""
+    from headstart.runtime.tree import ShapeSampler
+
+    shape = [(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    root, below = torch.tensor([[0.6, 0.4, 0.0]]).log(), torch.tensor([[0.5, 0.5, 0.0]]).log()
+    at_root = [0.6, 0.4]  # q of each token at the root
+    for seed in range(5):
+        grow = ShapeSampler(shape, SamplingParams(1.0), 3, torch.Generator().manual_seed(seed), min_prob=0.25)
+        first = grow.add_children([-1], root)
+        assert [math.exp(grow.scores[n]) for n in first] == pytest.approx([at_root[grow.tokens[n]] for n in first])
+        assert grow.choose(first) == first
+        second = grow.add_children(first, below.expand(2, -1))
+        assert [math.exp(grow.scores[n]) for n in second] == pytest.approx(
+            [at_root[grow.tokens[grow.parents[n]]] * 0.5 for n in second]
+        )
+        assert grow.choose(second) == [n for n in second if grow.tokens[grow.parents[n]] == 0]
+        strict = ShapeSampler(shape, SamplingParams(1.0), 3, torch.Generator().manual_seed(seed), min_prob=0.5)
+        first = strict.add_children([-1], root)
+        assert [strict.tokens[n] for n in strict.choose(first)] == [0]
 
 
 def test_tree_growth_stops_once_no_child_can_enter_the_budget():

@@ -18,7 +18,8 @@ nodes, `choose_tree_shape`), the tree is SAMPLED instead (`runtime.tree.ShapeSam
 depth-by-depth head forwards, but each expanded node's children are drawn from the head's q
 without replacement and carry q, so verification accepts with min(1, p/q) rather than p(x) of a
 point mass. A dynamic tree cannot be sampled this way: keeping the likeliest drawn nodes would bias
-which tokens are proposed.
+which tokens are proposed. A sampled node gets children only when its path is at least `min_prob` likely
+under q (a function of the path alone: exact).
 
 With a `sizer` (`runtime.calibrate.LiveSizer`, set by `Engine.make_drafter` for calibrated heads) the
 drafter reports after every round how many of its own nodes were accepted (grafted lookup nodes not
@@ -125,7 +126,7 @@ class EagleDrafter(SamplingDrafter):
         past = self._committed
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
         if self.shape is not None and not self.sampling.greedy:
-            grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator)
+            grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator, self.min_prob)
             deepest = max(map(len, self.shape))
         else:
             grow, deepest = TreeGrower(self.top_k, self.budget, self.min_prob), self.depth

@@ -70,7 +70,7 @@ class EagleOptions(HeadsOptions):
     depth: int = 5  # drafting depth
     top_k: int = 4  # nodes expanded per depth, and children per expanded node
     budget: int = 16  # nodes kept of the dynamic tree (T = 0, or heads without per-rank accuracies)
-    min_prob: float = 0.0  # stop growing once the likeliest frontier path is less likely than this
+    min_prob: float = 0.0  # stop growing once the likeliest frontier path is less likely than this (sampled: per node)
     sampled_budget: int = 16  # nodes of the static tree sampled at T > 0
 
     def __post_init__(self) -> None:
