@@ -103,9 +103,9 @@ def sampled_tree_drafter(model) -> EagleDrafter:
     return EagleDrafter(heads, model.model.embed_tokens, model.lm_head, EagleOptions(sampled_budget=6), acc)
 
 
-def test_sampled_tree_pruned_below_min_prob_still_follows_the_target():
-    """min_prob 0.3 on the sampled tree: the children of unlikely paths are never drawn (fewer nodes than the
-    shape's 6 in most rounds), and the first 3 tokens still follow the target's exact distribution."""
+def test_sampled_tree_is_pruned_below_min_prob():
+    """min_prob 0.3 on the sampled tree: the children of unlikely paths are never drawn, so most rounds propose
+    fewer nodes than the shape's 6 (exactness: the drafter contract runs eagle3 with min_prob 0.3)."""
     model = sampling_model()
     heads, acc = random_heads("eagle", model, 0.1), [[0.5, 0.3], [0.4, 0.3], [0.5]]
     options = EagleOptions(sampled_budget=6, min_prob=0.3)
@@ -116,7 +116,6 @@ def test_sampled_tree_pruned_below_min_prob_still_follows_the_target():
         drafter.start(prompt, target.prefill(prompt[:-1]), SamplingParams(temperature=0.8, top_p=0.9), seed)
         sizes.append(len(drafter.propose(prompt)))
     assert min(sizes) >= 1 and sum(size < 6 for size in sizes) >= 10, sizes
-    assert_first_three_follow_target(model, prompt, drafter)
 
 
 def test_sampled_tree_shape_comes_from_the_rank_accuracies():

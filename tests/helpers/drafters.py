@@ -36,6 +36,7 @@ def drafter_setup(root: Path):
         extra = {"rank_accuracy": ACCURACY[kind], "dtype": "float32"}
         save_heads(root / kind, heads, kind, HEAD_OPTIONS[kind], fingerprint, extra)
         options[kind] = {"heads": str(root / kind)}
+    options["eagle3"]["min_prob"] = 0.3  # the same drafter class as eagle: its trees pruned below min_prob
     return model, tokenizer, options
 
 
