@@ -111,39 +111,23 @@ class TreeChoice:
         return self.expected_tokens / self.round_ms * self.plain_ms
 
 
-def prune_shape(rank_accuracy: list[list[float]], shape: Shape | list, min_prob: float) -> list[tuple[int, ...]]:
-    """The nodes of `shape` a drafter that stops below `min_prob` proposes, modelled on the accuracies (they
-    stand for q): a node has children only when its path is at least `min_prob` likely."""
-    likely = {(): 1.0}  # kept path -> its probability
-    kept = []
-    for path in shape:  # parents first
-        parent = likely.get(path[:-1])
-        if parent is not None and parent >= min_prob:
-            likely[path] = parent * rank_accuracy[len(path) - 1][path[-1]]
-            kept.append(path)
-    return kept
-
-
 def choose_budget(
     curve: dict[int, float],
     rank_accuracy: list[list[float]],
     draft_ms_per_depth: float,
     max_budget: int = 63,
-    min_prob: float = 0.0,
 ) -> TreeChoice:
     """The budget B with the most expected tokens per ms: tokens = the expected acceptance length of the best
-    tree of B nodes under `rank_accuracy` (p that head/depth d's rank-r guess is right), less the nodes a
-    drafter with `min_prob` leaves out (`prune_shape`); ms = the forward over its nodes + 1 rows (`curve`) +
-    `draft_ms_per_depth` times its depth."""
+    tree of B nodes under `rank_accuracy` (p that head/depth d's rank-r guess is right); ms = the forward over
+    B + 1 rows (`curve`) + `draft_ms_per_depth` times that tree's depth."""
     best = None
     for budget in range(1, max_budget + 1):
         shape = choose_tree_shape(rank_accuracy, budget)
         if len(shape) < budget:  # no more nodes with a chance of acceptance
             break
-        kept = prune_shape(rank_accuracy, shape, min_prob)
-        depth = max(len(path) for path in shape)  # the drafter's limit; it drafts only as deep as `kept`
-        tokens = expected_acceptance_length(rank_accuracy, kept)
-        ms = cost_at(curve, len(kept) + 1) + draft_ms_per_depth * max(len(path) for path in kept)
+        depth = max(len(path) for path in shape)
+        tokens = expected_acceptance_length(rank_accuracy, shape)
+        ms = cost_at(curve, budget + 1) + draft_ms_per_depth * depth
         choice = TreeChoice(budget, depth, tokens, ms, cost_at(curve, 1), tuple(shape))
         if best is None or tokens / ms > best.expected_tokens / best.round_ms:
             best = choice
@@ -159,21 +143,14 @@ def scale_accuracy(rank_accuracy: list[list[float]], factor: float) -> list[list
 
 
 def fit_factor(
-    rank_accuracy: list[list[float]],
-    shape: Shape,
-    observed: float,
-    min_prob: float = 0.0,
-    low: float = 1 / 16,
-    high: float = 8.0,
+    rank_accuracy: list[list[float]], shape: Shape, observed: float, low: float = 1 / 16, high: float = 8.0
 ) -> float:
-    """The factor c in [low, high] for which `shape` (less what `min_prob` prunes) has the expected acceptance
-    length `observed` (tokens per round, the target's own token included) under `scale_accuracy(rank_accuracy,
-    c)`, by bisection: it grows with c (likelier nodes, fewer pruned), so a length out of reach gives the nearer
-    bound."""
+    """The factor c in [low, high] for which `shape`'s expected acceptance length under
+    `scale_accuracy(rank_accuracy, c)` is `observed` (tokens per round, the target's own token included), by
+    bisection: it grows with c, so a length out of reach gives the nearer bound."""
     for _ in range(40):
         mid = (low + high) / 2
-        scaled = scale_accuracy(rank_accuracy, mid)
-        if expected_acceptance_length(scaled, prune_shape(scaled, shape, min_prob)) < observed:
+        if expected_acceptance_length(scale_accuracy(rank_accuracy, mid), list(shape)) < observed:
             low = mid
         else:
             high = mid
@@ -193,17 +170,10 @@ class LiveSizer:
     """
 
     def __init__(
-        self,
-        curve: dict[int, float],
-        rank_accuracy: list[list[float]],
-        draft_ms_per_depth: float,
-        min_prob: float = 0.0,
-        every: int = 64,
+        self, curve: dict[int, float], rank_accuracy: list[list[float]], draft_ms_per_depth: float, every: int = 64
     ) -> None:
-        """`min_prob`: the drafter's (its trees stop below it; `prune_shape` models that)."""
-        self.curve, self.rank_accuracy, self.draft_ms = curve, rank_accuracy, draft_ms_per_depth
-        self.min_prob, self.every = min_prob, every
-        first = self._choose(1.0)
+        self.curve, self.rank_accuracy, self.draft_ms, self.every = curve, rank_accuracy, draft_ms_per_depth, every
+        first = choose_budget(curve, rank_accuracy, draft_ms_per_depth)
         self.factor = {False: 1.0, True: 1.0}  # sampled? -> factor on the accuracies
         self.choice = {False: first, True: first}
         self._seen = {False: [0, 0], True: [0, 0]}  # sampled? -> [rounds, draft tokens accepted]
@@ -219,11 +189,8 @@ class LiveSizer:
         rounds, tokens = seen
         seen[:] = [0, 0]
         old = self.choice[sampled]
-        fitted = fit_factor(self.rank_accuracy, old.shape, 1 + tokens / rounds, self.min_prob)
+        fitted = fit_factor(self.rank_accuracy, old.shape, 1 + tokens / rounds)
         self.factor[sampled] = (self.factor[sampled] * fitted) ** 0.5
-        new = self.choice[sampled] = self._choose(self.factor[sampled])
+        new = choose_budget(self.curve, scale_accuracy(self.rank_accuracy, self.factor[sampled]), self.draft_ms)
+        self.choice[sampled] = new
         return new if (new.budget, new.depth, new.shape) != (old.budget, old.depth, old.shape) else None
-
-    def _choose(self, factor: float) -> TreeChoice:
-        scaled = scale_accuracy(self.rank_accuracy, factor)
-        return choose_budget(self.curve, scaled, self.draft_ms, min_prob=self.min_prob)

@@ -23,17 +23,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from headstart.heads.checkpoint import HeadsConfig
 from headstart.runtime.calibrate import LiveSizer, TreeChoice, cost_curve
 from headstart.runtime.drafters.base import Drafter
-from headstart.runtime.drafters.registry import (
-    heads_adapter,
-    heads_dir,
-    make_drafter,
-    option_names,
-    parse_spec,
-    resolve,
-)
+from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
 from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
-from headstart.runtime.profiles import default_profile
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.text import TextDecoder
@@ -154,9 +146,7 @@ class Engine:
         key = (base, str(heads))
         if key not in self._sizers:
             curve = cost_curve(self.target, cache_dir() / "costs")
-            own = resolve(spec, default_profile(self.model_name), **options)["inner"]  # no profile was given
-            min_prob = getattr(own, "min_prob", 0.0)
-            self._sizers[key] = LiveSizer(curve, accuracy, self._draft_ms_per_depth(spec, **options), min_prob)
+            self._sizers[key] = LiveSizer(curve, accuracy, self._draft_ms_per_depth(spec, **options))
         return self._sizers[key]
 
     def _draft_ms_per_depth(self, spec: str, **options: Any) -> float:

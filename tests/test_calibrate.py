@@ -6,15 +6,7 @@ import copy
 import pytest
 
 from headstart.runtime import calibrate
-from headstart.runtime.calibrate import (
-    LiveSizer,
-    choose_budget,
-    cost_at,
-    cost_curve,
-    fit_factor,
-    prune_shape,
-    scale_accuracy,
-)
+from headstart.runtime.calibrate import LiveSizer, choose_budget, cost_at, cost_curve, fit_factor, scale_accuracy
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import stream
 from headstart.runtime.target import Target
@@ -75,26 +67,6 @@ def test_engine_sizes_trained_heads_unless_told(tiny_drafters, tmp_path, monkeyp
     assert Engine(copy.deepcopy(model), tokenizer, profile="neutral").tree_choice("eagle", heads=heads) is None
 
 
-def test_the_tree_a_drafter_prunes_below_min_prob_is_modelled():
-    """The best 8-node tree under ACCURACY and, with min_prob 0.3, what a drafter keeps of it (path
-    probabilities; a node has children only when its own is at least 0.3):
-
-        root ├─ (0,) .62 ├─ (0,0) .341 ── (0,0,0) .171 ── (0,0,0,0) .077   dropped: .171 < .3
-             │           └─ (0,1) .087
-             ├─ (1,) .14 ── (1,0) .077                                      dropped: .14 < .3
-             └─ (2,) .05
-    """
-    shape = choose_tree_shape(ACCURACY, 8)
-    assert shape == [(0,), (0, 0), (0, 0, 0), (1,), (0, 1), (1, 0), (0, 0, 0, 0), (2,)]
-    assert prune_shape(ACCURACY, shape, 0.3) == [(0,), (0, 0), (0, 0, 0), (1,), (0, 1), (2,)]
-    assert prune_shape(ACCURACY, shape, 0.0) == shape
-    # on a flat curve the pruned trees cost less than they hold: a larger budget, fewer tokens expected
-    free, pruned = choose_budget(FLAT, ACCURACY, 0.5), choose_budget(FLAT, ACCURACY, 0.5, min_prob=0.3)
-    assert pruned.expected_tokens < free.expected_tokens and pruned.budget != free.budget
-    assert fit_factor(ACCURACY, tuple(shape), expected_acceptance_length(ACCURACY, prune_shape(ACCURACY, shape, 0.3)),
-                      min_prob=0.3) == pytest.approx(1.0, abs=1e-4)  # fmt: skip
-
-
 def test_fit_factor_inverts_the_expected_acceptance():
     shape = choose_tree_shape(ACCURACY, 12)
     for factor in (0.2, 0.8, 1.0, 1.3):  # 1.3: depth 1's ranks would sum past 1 and are scaled back to 1
@@ -130,7 +102,6 @@ def test_engine_drafters_resize_from_what_they_accept(tiny_drafters, tmp_path, m
     sizer = engine._sizer("eagle", heads=heads)
     assert eagle.sizer is sizer and engine.make_drafter("eagle", heads=heads).sizer is sizer  # one per spec
     assert engine.make_drafter("eagle", heads=heads, depth=2).sizer is None  # a given size is kept as given
-    assert sizer.min_prob == 0.0 and engine._sizer("eagle3", **options["eagle3"]).min_prob == 0.3  # the drafter's
     sizer.every = 4
     start = sizer.choice[False]
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
