@@ -53,10 +53,16 @@ def test_the_curve_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert len(list(tmp_path.iterdir())) == 1
 
 
-def test_engine_sizes_trained_heads_unless_told(tiny_drafters, tmp_path, monkeypatch):
-    model, tokenizer, options = tiny_drafters
+@pytest.fixture
+def engine(tiny_drafters, tmp_path, monkeypatch) -> Engine:
+    """An engine on the tiny drafters' target, its cost curve cached under tmp_path."""
+    model, tokenizer, _ = tiny_drafters
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
-    engine = Engine(copy.deepcopy(model), tokenizer)
+    return Engine(copy.deepcopy(model), tokenizer)
+
+
+def test_engine_sizes_trained_heads_unless_told(engine, tiny_drafters):
+    model, tokenizer, options = tiny_drafters
     heads = options["eagle"]["heads"]
     choice = engine.tree_choice("eagle+lookup", heads=heads)
     assert choice is not None and choice.budget >= 1
@@ -92,10 +98,8 @@ def test_live_acceptance_resizes_greedy_and_sampled_trees_apart():
     assert sizer.choice[False].budget > start.budget and sizer.factor[False] > 1
 
 
-def test_engine_drafters_resize_from_what_they_accept(tiny_drafters, tmp_path, monkeypatch):
-    model, tokenizer, options = tiny_drafters
-    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
-    engine = Engine(copy.deepcopy(model), tokenizer)
+def test_engine_drafters_resize_from_what_they_accept(engine, tiny_drafters):
+    options = tiny_drafters[2]
     heads = options["eagle"]["heads"]
     graft = engine.make_drafter("eagle+lookup", heads=heads)
     eagle = graft.inner
