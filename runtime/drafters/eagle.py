@@ -74,7 +74,7 @@ class EagleDrafter(SamplingDrafter):
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
 
     def resize(self, choice: TreeChoice, sampled: bool) -> None:
-        """Take the budget and depth (greedy) or the static shape (sampled) of `choice`."""
+        """Take the budget and depth (greedy) or the static shape (sampled) of `choice`; `depth` bounds both."""
         if sampled:
             self.shape = list(choice.shape)
         else:
@@ -127,11 +127,10 @@ class EagleDrafter(SamplingDrafter):
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
         if self.shape is not None and not self.sampling.greedy:
             grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator, self.min_prob)
-            deepest = max(map(len, self.shape))
         else:
-            grow, deepest = TreeGrower(self.top_k, self.budget, self.min_prob), self.depth
+            grow = TreeGrower(self.top_k, self.budget, self.min_prob)
         frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)
-        for depth in range(1, deepest):  # expand nodes at `depth`: their children are at depth + 1
+        for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
             expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
             if not expand:
                 break
