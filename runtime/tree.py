@@ -232,7 +232,7 @@ class ShapeSampler(TreeGrower):
         remaining = q.clone()  # (m, N) q without the draws so far
         drawn = torch.empty(len(q), c, dtype=torch.long, device=q.device)  # (m, c)
         rows = q.new_empty(len(q), c, q.shape[1])  # (m, c, N) the distribution draw j came from
-        drawn_weight = q.new_empty(len(q), c)  # (m, c) draw j's weight in its row; 0 once q has no tokens left
+        drawn_weight = q.new_empty(len(q), c)  # (m, c) draw j's weight in its row (its q); 0 once q has none left
         for j in range(c):
             cdf = remaining.cumsum(-1)  # (m, N)
             rows[:, j] = remaining / cdf[:, -1:].clamp_min(torch.finfo(q.dtype).tiny)
@@ -240,8 +240,8 @@ class ShapeSampler(TreeGrower):
             drawn_weight[:, j] = remaining.gather(-1, drawn[:, j : j + 1])[:, 0]
             remaining.scatter_(-1, drawn[:, j : j + 1], 0.0)
         ids = drawn if to_target is None else to_target(drawn)
-        # one copy to the host: (3, m, c) token ids, draw weights (0: q had no tokens left), log q of the draws
-        host = torch.stack([ids.double(), drawn_weight.double(), q.gather(-1, drawn).double().log()]).tolist()
+        # one copy to the host: (2, m, c) token ids and draw weights, i.e. q of the draw (0: q had no tokens left)
+        host = torch.stack([ids.double(), drawn_weight.double()]).tolist()
         new = []
         for i, parent in enumerate(parents):
             base = self.scores[parent] if parent >= 0 else 0.0
@@ -251,7 +251,7 @@ class ShapeSampler(TreeGrower):
                 new.append(len(self.tokens))
                 self.tokens.append(int(host[0][i][j]))
                 self.parents.append(parent)
-                self.scores.append(base + host[2][i][j])
+                self.scores.append(base + math.log(host[1][i][j]))
                 self.paths.append(path)
                 self.rows.append(rows[i, j])
         self.to_target = to_target

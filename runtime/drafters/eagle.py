@@ -81,6 +81,11 @@ class EagleDrafter(SamplingDrafter):
             self.budget, self.depth = choice.budget, choice.depth
 
     @property
+    def _samples(self) -> bool:
+        """Whether this round's tree is sampled (a static shape at T > 0) rather than the greedy dynamic one."""
+        return self.shape is not None and not self.sampling.greedy
+
+    @property
     def _committed(self) -> int:
         return self.cache.get_seq_length()
 
@@ -113,10 +118,9 @@ class EagleDrafter(SamplingDrafter):
         self._commit(hidden[rows], [*(tree.tokens[i] for i in path), next_token])
         if self.sizer is not None and self._drafted and len(tree):
             ours = next((k for k, node in enumerate(path) if node >= self._drafted), len(path))
-            sampled = self.shape is not None and not self.sampling.greedy
-            choice = self.sizer.record(sampled, ours)
+            choice = self.sizer.record(self._samples, ours)
             if choice is not None:
-                self.resize(choice, sampled)
+                self.resize(choice, self._samples)
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
@@ -125,7 +129,7 @@ class EagleDrafter(SamplingDrafter):
             return DraftTree()
         past = self._committed
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
-        if self.shape is not None and not self.sampling.greedy:
+        if self._samples:
             grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator, self.min_prob)
         else:
             grow = TreeGrower(self.top_k, self.budget, self.min_prob)
