@@ -205,6 +205,33 @@ def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_mod
             train_heads.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
 
 
+def test_init_from_an_eagle3_head_moves_its_lm_head_rows_with_their_tokens(tmp_path, tiny_model_dir):
+    from accelerate import Accelerator
+
+    from headstart.train.data import load_rows
+
+    train_heads.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle3", **{"heads.draft_vocab": 8}))
+    trained = tmp_path / "a" / "out" / "heads"
+    saved = load_file(trained / "model.safetensors")
+    cfg = make_cfg(tmp_path / "b", tiny_model_dir, "eagle3", **{"heads.draft_vocab": 12, "heads.init_from": trained})
+    model, tokenizer = train_heads.load_target(cfg)
+    rows = load_rows(cfg.data.path, cfg.data.max_len)
+    warm = train_heads.Trainer(cfg, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
+    assert warm["draft_vocab"].shape == (12,) and warm["lm_head.weight"].shape[0] == 12  # recomputed, grown
+    old_row = {int(t): i for i, t in enumerate(saved["draft_vocab"])}
+    target_rows = model.get_output_embeddings().weight.float()
+    carried = 0
+    for i, token in enumerate(warm["draft_vocab"].tolist()):
+        if token in old_row:  # a token both vocabularies hold: its trained row, whatever its new place
+            assert torch.equal(warm["lm_head.weight"][i], saved["lm_head.weight"][old_row[token]].float()), token
+            carried += 1
+        else:  # a new token: the target's row, as a fresh head starts
+            assert torch.equal(warm["lm_head.weight"][i], target_rows[token]), token
+    assert 0 < carried < 12
+    for name in set(saved) - {"draft_vocab", "lm_head.weight"}:
+        assert torch.equal(warm[name], saved[name].float()), name
+
+
 def test_training_prompts_skip_malformed_lines_and_keep_permissive_rows(tmp_path, capsys):
     # distillation's kill-and-resume is tests/test_sources.py's, for both backends
     prompts_file = tmp_path / "prompts.jsonl"

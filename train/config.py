@@ -45,7 +45,7 @@ class HeadsConfig:
     unroll: int = 1  # eagle, eagle3: head steps run on its own outputs in training (heads/losses.py eagle_unroll)
     unroll_from_step: int = 0  # eagle, eagle3: optimizer steps before this one train with unroll = 1
     draft_vocab: int = 0  # read out only the N most frequent response tokens (heads/vocab.py); 0 = all
-    init_from: str = ""  # a trained heads directory to start from (not its draft vocabulary): new data, new schedule
+    init_from: str = ""  # a trained heads directory to start from (its vocabulary recomputed): new data, new schedule
 
 
 @dataclass
