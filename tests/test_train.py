@@ -107,8 +107,15 @@ def test_config_errors(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match=r"'optim\.max_steps' must be int"):
         load_config(None, ["optim.max_steps=abc"])
+    with pytest.raises(ConfigError, match=r"override 'optim\.betas=\[0\.8': not valid YAML"):
+        load_config(None, ["optim.betas=[0.8"])
     cfg = load_config(None, ["optim.lr=3e-4", "heads.kind=eagle", "optim.betas=[0.8, 0.9]"])
     assert cfg.optim.lr == 3e-4 and cfg.heads.kind == "eagle" and cfg.optim.betas == (0.8, 0.9)
+    # YAML 1.1 would read `no` as False: Accelerate's "no" (mixed precision off), in a file and as an override
+    (tmp_path / "mp.yaml").write_text("mixed_precision: no\n")
+    assert load_config(tmp_path / "mp.yaml").mixed_precision == "no"
+    assert load_config(None, ["mixed_precision=no"]).mixed_precision == "no"
+    assert load_config(None, ["mixed_precision=bf16", "report_to=none"]).mixed_precision == "bf16"
 
 
 def test_cli_errors(tmp_path, capsys, tiny_model_dir):

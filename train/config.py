@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -143,24 +144,45 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     tree[keys[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """TrainConfig from a YAML file (optional) and `key.sub=value` overrides (values parsed as YAML)."""
+def _parse_yaml(text: str):
+    """YAML with only true/false as booleans (YAML 1.2): `mixed_precision: no` is the string "no", not False."""
     import yaml  # pyyaml: the train extra
 
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    booleans = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", booleans, list("tTfF"))
+    try:
+        return yaml.load(text, Loader=Loader)  # a SafeLoader
+    except yaml.YAMLError as e:
+        raise ValueError(str(e)) from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """TrainConfig from a YAML file (optional) and `key.sub=value` overrides (values parsed as YAML)."""
     values: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
+            values = _parse_yaml(path.read_text()) or {}
+        except ValueError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from e
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value")
         key, raw = item.split("=", 1)
-        _set_dotted(values, key.strip(), yaml.safe_load(raw))
+        try:
+            value = _parse_yaml(raw)
+        except ValueError as e:
+            raise ConfigError(f"override '{item}': not valid YAML ({e})") from e
+        _set_dotted(values, key.strip(), value)
     return _build(TrainConfig, values)
 
 

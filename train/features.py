@@ -37,8 +37,16 @@ def target_features(
     """Frozen target: the hidden states `layers` names, concatenated (B, T, len(layers) * H), in the
     target's dtype; (-1,) = the final features after the final norm (`runtime.target.features`)."""
     with torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
-    return features(out.hidden_states, layers)
+        return features(hidden_states(model, input_ids, attention_mask), layers)
+
+
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every hidden state of the target's forward (`output_hidden_states`), its lm_head never run: the decoder
+    alone. The causal LM would read out one position's logits, from a (B, 1, H) slice that the stock CPU linear
+    in bfloat16 takes a slow path for (SmolLM2's lm_head: 1.5 s at B = 15 against 5 ms for a contiguous input,
+    most of a training step)."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    return out.hidden_states
 
 
 class FeatureCache:

@@ -26,6 +26,7 @@ from headstart.heads.losses import medusa_loss
 from headstart.runtime.adapters import quiet_peft
 from headstart.runtime.target import features
 from headstart.train.config import ConfigError, LoraConfig
+from headstart.train.features import hidden_states
 
 
 def attach_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
@@ -72,9 +73,7 @@ class AdaptedTarget(nn.Module):
         return adapted, original
 
     def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                          logits_to_keep=1)  # fmt: skip
-        return features(out.hidden_states, (-1,)).float()  # (B, T, H)
+        return features(hidden_states(self.target, input_ids, attention_mask), (-1,)).float()  # (B, T, H)
 
 
 def drift_kl(adapted: torch.Tensor, original: torch.Tensor, lm_head: torch.Tensor, loss_mask: torch.Tensor):
