@@ -11,6 +11,7 @@ target is base + that adapter, and loading them through a drafter loads it (`run
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -175,6 +176,24 @@ def save_config(directory: str | Path, config: HeadsConfig) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(config.to_json(), indent=2))
     tmp.replace(path)
+
+
+def cut_draft_vocab(directory: str | Path, out: str | Path, n: int) -> Path:
+    """Write the heads in `directory` to `out` keeping only their `n` most frequent draft tokens: what drafting
+    with `--draft-vocab n` reads out, in a smaller file (an EAGLE-3 head's lm_head keeps its first n rows). The
+    stored per-rank accuracies stay those measured with the full vocabulary."""
+    config, weights = read_checkpoint(directory)
+    vocab = weights.get("draft_vocab")
+    if config.vocab_order != "frequency" or vocab is None or not 0 < n < len(vocab):
+        raise ValueError(f"{directory}: cannot keep {n} draft tokens (it holds "
+                         f"{'none' if vocab is None else len(vocab)}, ordered by {config.vocab_order})")  # fmt: skip
+    weights = {k: v[:n] if k in ("draft_vocab", "lm_head.weight") else v for k, v in weights.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "model.safetensors")
+    layer = {**config.draft_layer, "draft_vocab_size": n} if config.draft_layer else None
+    save_config(out, dataclasses.replace(config, options={**config.options, "draft_vocab": n}, draft_layer=layer))
+    return out
 
 
 def read_checkpoint(directory: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from headstart.cli import main as cli
-from headstart.heads.checkpoint import load_heads, read_checkpoint
+from headstart.heads.checkpoint import cut_draft_vocab, load_heads, read_checkpoint
 from headstart.heads.export import export_heads
 from headstart.heads.published import PublishedHeadsError, convert_heads, detect_layout
 from headstart.runtime.drafters.registry import make_drafter
@@ -307,3 +307,17 @@ def test_calibrate_measures_accuracies_on_your_prompts(tmp_path, tiny_model_dir,
     eagle = train_tiny_heads(tmp_path / "e", tiny_model_dir, "eagle")  # EAGLE: its drafting depths, unrolled
     assert cli(["calibrate", str(eagle), *args]) == 0
     assert len(HeadsConfig.read(eagle).rank_accuracy) == 5
+
+
+def test_a_cut_draft_vocabulary_reads_out_what_the_full_head_reads_out_limited(tmp_path, tiny_model_dir):
+    full_dir = train_tiny_heads(tmp_path, tiny_model_dir, "eagle3", steps=2, **{"heads.draft_vocab": 24})
+    cut_dir = cut_draft_vocab(full_dir, tmp_path / "cut", 10)
+    target, tokenizer = load_model(str(tiny_model_dir))
+    (full, _), (cut, config) = load_heads(full_dir, target, tokenizer), load_heads(cut_dir, target, tokenizer)
+    assert config.options["draft_vocab"] == 10 and config.draft_layer["draft_vocab_size"] == 10
+    assert (cut_dir / "model.safetensors").stat().st_size < (full_dir / "model.safetensors").stat().st_size
+    y = torch.randn(5, target.config.hidden_size)
+    limited, small = full.readout(limit=10), cut.readout()
+    assert torch.equal(limited(y), small(y)) and torch.equal(limited.ids, small.ids)
+    with pytest.raises(ValueError, match="cannot keep 24 draft tokens"):
+        cut_draft_vocab(full_dir, tmp_path / "none", 24)

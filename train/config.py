@@ -6,6 +6,7 @@ cfg = load_config("configs/smoke.yaml", ["optim.lr=3e-4", "heads.kind=eagle"])
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -144,8 +145,9 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     tree[keys[-1]] = value
 
 
-def _parse_yaml(text: str):
-    """YAML with only true/false as booleans (YAML 1.2): `mixed_precision: no` is the string "no", not False."""
+@functools.cache
+def _yaml_loader():
+    """A SafeLoader with only true/false as booleans (YAML 1.2): `mixed_precision: no` is the string "no"."""
     import yaml  # pyyaml: the train extra
 
     class Loader(yaml.SafeLoader):
@@ -157,8 +159,15 @@ def _parse_yaml(text: str):
     }
     booleans = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
     Loader.add_implicit_resolver("tag:yaml.org,2002:bool", booleans, list("tTfF"))
+    return Loader
+
+
+def _parse_yaml(text: str):
+    """`text` as YAML (`_yaml_loader`'s booleans), or a ValueError."""
+    import yaml
+
     try:
-        return yaml.load(text, Loader=Loader)  # a SafeLoader
+        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader
     except yaml.YAMLError as e:
         raise ValueError(str(e)) from e
 
