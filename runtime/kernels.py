@@ -6,7 +6,8 @@ the GEMM reads, an extra pass over every weight at every call. Here each `nn.Lin
 swapped, once at load, for a `PackedLinear` that keeps the weight packed (the prepacking inductor's freezing
 pass does, without compiling anything):
 
-- bfloat16: one oneDNN-packed copy serves every row count (AMX / AVX-512 BF16 kernels);
+- bfloat16: one oneDNN-packed copy serves every row count (AMX / AVX-512 BF16 kernels; a CPU without
+  AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2 only, has no such kernels and keeps the stock ones);
 - float32: MKL's packed GEMM, which is packed for one row count: a copy per bucket of `ROW_BUCKETS`, and
   `Target.verify` pads a tree to the next bucket; one row keeps the stock kernel (a GEMV reads the plain
   layout best), and so do row counts past the last bucket.
@@ -25,6 +26,7 @@ inference only.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass
 
@@ -54,11 +56,18 @@ def _packing(model: nn.Module) -> str:
 def _packing_for(param: torch.Tensor) -> str:
     if param.device.type != "cpu":
         return "none"
-    if param.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if param.dtype == torch.bfloat16 and onednn_bf16_supported():
         return "onednn"
     if param.dtype == torch.float32 and torch.backends.mkl.is_available():
         return "mkl"
     return "none"
+
+
+@functools.cache
+def onednn_bf16_supported() -> bool:
+    """Whether this CPU runs oneDNN's bf16 linear kernels: packing a bf16 weight raises on one that lacks them
+    (AVX2-only CPUs: "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Linear):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from headstart.heads.masks import additive_mask
+from headstart.runtime import kernels
 from headstart.runtime.attention import GROUPED_SDPA, MaskBuffer, grouped_sdpa
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.generate import stream
@@ -90,6 +91,17 @@ def test_packed_linears_equal_the_stock_ones():
         for rows in (1, 3, 4, 5, 8):  # the stock kernel, MKL's packed ones (4, 8), the stock one again
             x = torch.randn(rows, model.config.hidden_size)
             torch.testing.assert_close(model.lm_head(x), x @ model.lm_head.weight.T, atol=1e-5, rtol=0)
+
+
+def test_bf16_packs_only_where_the_cpu_has_onednn_bf16_kernels(monkeypatch):
+    """oneDNN's bf16 kernels need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU packing raised at load.
+    There the stock kernels stay, and the target decodes."""
+    model = tiny_llama(vocab_size=64, init_std=0.2).to(torch.bfloat16)
+    assert prepack_linears(copy.deepcopy(model)).kind == ("onednn" if kernels.onednn_bf16_supported() else "none")
+    monkeypatch.setattr(kernels, "onednn_bf16_supported", lambda: False)
+    target = Target(model, fast=True)
+    assert target.packed.kind == "none" and not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert len([t for c in stream(target, PROMPT, LookupDrafter(), max_new_tokens=8) for t in c.tokens]) == 8
 
 
 def test_fast_and_stock_targets_decode_alike():
