@@ -37,11 +37,23 @@ ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row counts timed
 PAST = 256  # cached tokens while timing (a typical chat prompt)
 
 
+def cpu_name() -> str:
+    """The CPU's model and the vector ISAs kernels choose by (`platform.processor()` is often empty on Linux, and a
+    home folder, with its cached curves, may move to another kind of CPU between sessions)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in reversed(lines) if ":" in line)  # the first CPU's values
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    isa = sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx", "amx")))
+    return " ".join([fields.get("model name") or platform.machine(), *isa])
+
+
 def _key(target: Target) -> str:
     """What the curve depends on: the model's config and weights' identity, device, dtype, kernels, torch."""
     config = target.model.config.to_json_string(use_diff=False)
-    cpu = platform.processor() or platform.machine()
-    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu
+    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu_name()
     kernels = f"{target.packed.kind}, grouped attention {target.grouped}"
     parts = [config, str(target.dtype), device, kernels, torch.__version__, str(torch.get_num_threads())]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -51,6 +51,9 @@ def test_the_curve_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
     assert cost_curve(target, tmp_path) == curve
     assert len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setattr(calibrate, "cpu_name", lambda: "another CPU avx2")  # the home folder on another machine
+    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: {1: 1.0})
+    assert cost_curve(target, tmp_path) == {1: 1.0} and len(list(tmp_path.iterdir())) == 2
 
 
 @pytest.fixture

@@ -79,12 +79,12 @@ def _labelled_heads(entries: list[str]) -> dict[str, str]:
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
-    import platform
     from pathlib import Path
 
     import torch
 
     from headstart.runtime import bench
+    from headstart.runtime.calibrate import cpu_name
     from headstart.runtime.engine import Engine
 
     common.check_lengths(args)
@@ -117,8 +117,10 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
                               categories, args.seed, args.breakdown, **options)  # fmt: skip
     table = bench.summarize(records)
     packed, grouped = engine.target.packed, "grouped-query" if engine.target.grouped else "stock"
+    device = engine.target.device
+    processor = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     machine = (
-        f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{processor}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"{args.dtype}, {args.device}, model {args.model}, kernels {packed.kind} (packed in {packed.seconds:.2f} s), "
         f"{grouped} tree attention"
     )
