@@ -22,12 +22,14 @@ import itertools
 import json
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from headstart.runtime.kernels import FP32_KINDS
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree, choose_tree_shape, expected_acceptance_length
 
@@ -35,6 +37,7 @@ Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents fi
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row counts timed (root + nodes)
 PAST = 256  # cached tokens while timing (a typical chat prompt)
+TREE_ROWS = tuple(r for r in ROWS if r <= 16)  # the row counts `choose_kernels` compares the kernels over
 
 
 def cpu_name() -> str:
@@ -50,28 +53,29 @@ def cpu_name() -> str:
     return " ".join([fields.get("model name") or platform.machine(), *isa])
 
 
-def _key(target: Target) -> str:
-    """What the curve depends on: the model's config and weights' identity, device, dtype, kernels, torch."""
+def _key(target: Target, kind: str | None = None) -> str:
+    """What the curve depends on: the model's config and weights' identity, device, dtype, kernels (`kind`
+    None: those packed now), torch."""
     config = target.model.config.to_json_string(use_diff=False)
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu_name()
-    kernels = f"{target.packed.kind}, grouped attention {target.grouped}"
+    kernels = f"{target.packed.kind if kind is None else kind}, grouped attention {target.grouped}"
     parts = [config, str(target.dtype), device, kernels, torch.__version__, str(torch.get_num_threads())]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def measure_cost_curve(target: Target, reps: int = 5) -> dict[int, float]:
-    """ms per target forward at each of ROWS (a chain of rows - 1 nodes over PAST cached tokens), the median of
+def measure_cost_curve(target: Target, reps: int = 5, rows_timed: tuple[int, ...] = ROWS) -> dict[int, float]:
+    """ms per target forward at each of `rows_timed` (a chain of rows - 1 nodes over PAST cached tokens), the median of
     `reps` passes that interleave the row counts (so machine noise hits them alike), made non-decreasing (fewer
     rows never cost more than more rows: a dearer point is noise, lowered to the cheapest count above it).
     Leaves the cache empty."""
     gen = torch.Generator().manual_seed(0)
     vocab = target.model.config.vocab_size
-    past = min(PAST, target.max_len - max(ROWS) - 1)
+    past = min(PAST, target.max_len - max(rows_timed) - 1)
     prompt = torch.randint(0, vocab, (past + 1,), generator=gen).tolist()
     target.prefill(prompt[:-1], ())
-    times: dict[int, list[float]] = {rows: [] for rows in ROWS}
+    times: dict[int, list[float]] = {rows: [] for rows in rows_timed}
     for _ in range(reps + 1):  # the first pass warms up
-        for rows in ROWS:
+        for rows in rows_timed:
             tree = DraftTree(prompt[1:rows], list(range(-1, rows - 2)))
             t0 = time.perf_counter()
             target.verify(prompt[-1], tree, ())
@@ -97,6 +101,33 @@ def cost_curve(target: Target, cache: Path | None) -> dict[int, float]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(curve))
     return curve
+
+
+def choose_kernels(target: Target, cache: Path | None) -> str:
+    """A float32 target on a CPU: pack it with whichever of `kernels.FP32_KINDS` makes its forward over 1-16 rows
+    (the trees' range; the sum of ms at the counts of ROWS up to 16) cheaper on this machine, timed on the whole
+    target once, then read from `cache` (a folder). MKL's packed GEMM wins on one CPU, oneDNN's on another
+    (`runtime/kernels.py`). Other targets keep their kernels. Returns the kind in use."""
+    if target.packed.kind not in FP32_KINDS:
+        return target.packed.kind
+    path = cache / f"kernels-{_key(target, 'fp32')}.json" if cache is not None else None
+    if path is not None and path.exists():
+        costs = json.loads(path.read_text())
+    else:
+        t0 = time.perf_counter()
+        print("headstart: timing the float32 kernels on this CPU (once; cached)", file=sys.stderr, flush=True)
+        costs = {}
+        for kind in FP32_KINDS:
+            target.use_kernels(kind)
+            costs[kind] = sum(measure_cost_curve(target, reps=3, rows_timed=TREE_ROWS).values())
+        said = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in costs.items())
+        print(f"headstart: {len(TREE_ROWS)} forwards of 1-16 rows: {said} -> {min(costs, key=costs.get)} "
+              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)  # fmt: skip
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(costs))
+    target.use_kernels(min(costs, key=costs.get))
+    return target.packed.kind
 
 
 def cost_at(curve: dict[int, float], rows: int) -> float:

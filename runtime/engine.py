@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.checkpoint import HeadsConfig
-from headstart.runtime.calibrate import LiveSizer, TreeChoice, cost_curve
+from headstart.runtime.calibrate import LiveSizer, TreeChoice, choose_kernels, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
 from headstart.runtime.generate import GenerationStats, stream
@@ -66,6 +66,7 @@ class Engine:
         LoRA adapter directory applied to the model, if any; `prepack`: the target's prepacked kernels
         (`runtime/kernels.py`; None: on)."""
         self.target = Target(model, fast=prepack)
+        choose_kernels(self.target, cache_dir() / "costs")  # float32 on a CPU: MKL's or oneDNN's, as measured here
         self.tokenizer = tokenizer
         self.drafter = drafter or Drafter()
         self.model_name, self.profile, self.adapter = model_name, profile, adapter

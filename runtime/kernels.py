@@ -8,9 +8,12 @@ pass does, without compiling anything):
 
 - bfloat16: one oneDNN-packed copy serves every row count (AMX / AVX-512 BF16 kernels; a CPU without
   AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2 only, has no such kernels and keeps the stock ones);
-- float32: MKL's packed GEMM, which is packed for one row count: a copy per bucket of `ROW_BUCKETS`, and
-  `Target.verify` pads a tree to the next bucket; one row keeps the stock kernel (a GEMV reads the plain
-  layout best), and so do row counts past the last bucket.
+- float32, two kinds (`FP32_KINDS`): MKL's packed GEMM ("mkl", the default), which is packed for one row
+  count: a copy per bucket of `ROW_BUCKETS`, and `Target.verify` pads a tree to the next bucket; one row keeps
+  the stock kernel (a GEMV reads the plain layout best), and so do row counts past the last bucket. Or
+  oneDNN's ("onednn"), one copy for every row count, as in bfloat16. Which is cheaper depends on the CPU:
+  `runtime/calibrate.choose_kernels` times both on the whole target once per machine (an AVX2-only AMD EPYC:
+  oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 / 8 rows, MKL 69 / 112 / 112 / 154).
 
 Measured on the 2-core CPU of docs/tuning.md (SmolLM2-135M, 256 cached tokens, ms per forward): float32
 1 / 4 / 8 / 16 rows 44.8 / 68.4 / 82.3 / 96.3 stock, 45.0 / 59.0 / 63.7 / 74.9 packed; bfloat16 50.9 / 59.6 /
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROW_BUCKETS = (4, 8, 16)  # float32: the row counts MKL's packed weights are made for (a copy each)
+FP32_KINDS = ("mkl", "onednn")  # float32's packings, the default first
 ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layout for
 
 
@@ -79,7 +83,8 @@ class PackedLinear(nn.Linear):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> PackedLinear:
-        """`weight` (out, in) and `bias` are kept as they are (the same Parameters: ties and readers unchanged)."""
+        """`weight` (out, in) and `bias` are kept as they are (the same Parameters: ties and readers unchanged);
+        `kind` "onednn" or "mkl" (float32 only)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.out_features, new.in_features = weight.shape
@@ -111,10 +116,16 @@ class PackedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def packed_projection(weight: torch.Tensor) -> PackedLinear | None:
-    """x -> x @ weight.T with `weight` (N, H) prepacked (a drafter's readout); None where no packing suits it."""
-    kind = _packing_for(weight)
+def packed_projection(weight: torch.Tensor, kind: str | None = None) -> PackedLinear | None:
+    """x -> x @ weight.T with `weight` (N, H) prepacked (a drafter's readout) as `kind` (None: the default that
+    suits it); None where no packing suits it."""
+    kind = _chosen(_packing_for(weight), kind)
     return None if kind == "none" else PackedLinear.from_weight(weight.detach(), None, kind)
+
+
+def _chosen(default: str, kind: str | None) -> str:
+    """`kind` where it may replace `default` (float32's are interchangeable), else `default`."""
+    return kind if kind is not None and default in FP32_KINDS and kind in FP32_KINDS else default
 
 
 def _available_bytes() -> int | None:
@@ -131,20 +142,22 @@ def _available_bytes() -> int | None:
 
 def prepack_like_target(target_lm_head: nn.Module, heads: nn.Module, readout) -> None:
     """Draft heads (and their readout, `heads.vocab.DraftReadout`) get the kernels of the target whose lm_head is
-    `target_lm_head`: packed when the target was prepacked, stock otherwise."""
+    `target_lm_head`: packed as it is when the target was prepacked, stock otherwise."""
     if isinstance(target_lm_head, PackedLinear):
-        prepack_linears(heads)
-        readout.project = packed_projection(readout.weight)
+        prepack_linears(heads, target_lm_head.kind)
+        readout.project = packed_projection(readout.weight, target_lm_head.kind)
 
 
-def prepack_linears(model: nn.Module) -> Prepacked:
-    """Swap every `nn.Linear` of `model` for a `PackedLinear` in place, where the model suits a packing and its
-    packed copies (one in bfloat16, one per row bucket in float32) take at most half the memory available."""
-    kind = _packing(model)
+def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
+    """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, where
+    the model suits a packing and its packed copies (one for "onednn", one per row bucket for "mkl") take at most
+    half the memory available. `kind`: one of `FP32_KINDS` for a float32 model (None: the default)."""
+    kind = _chosen(_packing(model), kind)
     if kind == "none":
         return Prepacked()
     copies = 1 if kind == "onednn" else len(ROW_BUCKETS)
-    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
+    linears = (nn.Linear, PackedLinear)
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) in linears)
     available = _available_bytes()
     if available is not None and copies * linear_bytes > available // 2:
         return Prepacked()
@@ -152,6 +165,6 @@ def prepack_linears(model: nn.Module) -> Prepacked:
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
+                if type(child) in linears:
                     setattr(parent, name, PackedLinear.from_linear(child, kind))
     return Prepacked(time.perf_counter() - t0, ROW_BUCKETS if kind == "mkl" else (), kind)

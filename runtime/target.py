@@ -63,6 +63,11 @@ class Target:
         self.cache = TargetCache()  # full on every layer, sliding-window ones too (runtime/attention.py)
         self.mask_buffer = MaskBuffer(self.dtype, self.device)
 
+    def use_kernels(self, kind: str) -> None:
+        """Pack the linear layers again as `kind` (float32: one of `kernels.FP32_KINDS`) where they are packed."""
+        if self.packed.kind != "none":
+            self.packed = prepack_linears(self.model, kind)
+
     @property
     def past_len(self) -> int:
         """Tokens committed to the KV cache."""

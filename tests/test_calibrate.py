@@ -56,6 +56,25 @@ def test_the_curve_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert cost_curve(target, tmp_path) == {1: 1.0} and len(list(tmp_path.iterdir())) == 2
 
 
+def test_the_float32_kernels_are_chosen_by_their_measured_cost_and_the_choice_cached(tmp_path, monkeypatch):
+    target = Target(tiny_llama(vocab_size=64))
+    assert calibrate.choose_kernels(target, tmp_path) in calibrate.FP32_KINDS  # timed for real on the tiny target
+    assert len(list(tmp_path.iterdir())) == 1
+
+    def timed(target, reps, rows_timed):  # oneDNN's forward cheaper than MKL's from 2 rows on
+        assert rows_timed == calibrate.TREE_ROWS
+        return {rows: 10.0 + (1 if target.packed.kind == "onednn" else 5) * (rows > 1) for rows in rows_timed}
+
+    monkeypatch.setattr(calibrate, "measure_cost_curve", timed)
+    assert calibrate.choose_kernels(target, None) == "onednn" == target.packed.kind
+    monkeypatch.setattr(calibrate, "cpu_name", lambda: "another CPU avx2")
+    assert calibrate.choose_kernels(target, tmp_path) == "onednn"  # measured there, then read back:
+    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
+    target.use_kernels("mkl")
+    assert calibrate.choose_kernels(target, tmp_path) == "onednn" == target.packed.kind
+    assert calibrate.choose_kernels(Target(tiny_llama(vocab_size=64), fast=False), tmp_path) == "none"
+
+
 @pytest.fixture
 def engine(tiny_drafters, tmp_path, monkeypatch) -> Engine:
     """An engine on the tiny drafters' target, its cost curve cached under tmp_path."""

@@ -2,6 +2,7 @@
 grouped-query attention over a tree."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -104,20 +105,44 @@ def test_bf16_packs_only_where_the_cpu_has_onednn_bf16_kernels(monkeypatch):
     assert len([t for c in stream(target, PROMPT, LookupDrafter(), max_new_tokens=8) for t in c.tokens]) == 8
 
 
-def test_fast_and_stock_targets_decode_alike():
-    """Greedy tokens and every round's logits of the fast path equal the stock path's (a tree drafter's rounds)."""
+@pytest.mark.parametrize("kind", kernels.FP32_KINDS)
+def test_fast_and_stock_targets_decode_alike(kind):
+    """Greedy tokens and every round's logits of the fast path equal the stock path's (a tree drafter's rounds),
+    with either float32 packing; MKL's pads a tree to its row bucket, oneDNN's feeds it as it is."""
     torch.manual_seed(0)
     logits = {}
     for fast in (False, True):
         model = tiny_llama(vocab_size=64, init_std=0.2)
         target = Target(model, fast=fast)
-        assert (target.packed.kind != "none") == fast
+        target.use_kernels(kind)
+        assert target.packed.kind == (kind if fast else "none")
         out = [t for c in stream(target, PROMPT, LookupDrafter(), max_new_tokens=40) for t in c.tokens]
-        verified = target.verify(out[-1], DraftTree([1, 2, 3, 4], [-1, 0, -1, 2]))  # 5 rows, padded to 8 if fast
-        assert verified.logits.shape == (5, 64) and target.past_len == len(PROMPT) + 40 - 1 + (8 if fast else 5)
+        verified = target.verify(out[-1], DraftTree([1, 2, 3, 4], [-1, 0, -1, 2]))  # 5 rows, padded to 8 by MKL's
+        fed = 8 if target.packed.kind == "mkl" else 5
+        assert verified.logits.shape == (5, 64) and target.past_len == len(PROMPT) + 40 - 1 + fed
         logits[fast] = (out, verified.logits)
     assert logits[True][0] == logits[False][0]
     torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-4, rtol=0)
+
+
+def test_float32_linears_pack_again_as_onednn_and_heads_follow_the_target():
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=64, init_std=0.2)
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert prepack_linears(model).kind == "mkl"  # float32's default
+    packed = prepack_linears(model, "onednn")  # packed again, in place
+    assert packed.kind == "onednn" and packed.row_buckets == ()
+    assert all(m.weight is weights[n] for n, m in model.named_modules() if isinstance(m, PackedLinear))
+    with torch.inference_mode():
+        for rows in (1, 3, 8, 20):  # one packed copy serves every row count
+            x = torch.randn(rows, model.config.hidden_size)
+            torch.testing.assert_close(model.lm_head(x), x @ model.lm_head.weight.T, atol=1e-5, rtol=0)
+    heads = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    readout = types.SimpleNamespace(weight=torch.randn(10, 32), project=None)
+    kernels.prepack_like_target(model.lm_head, heads, readout)
+    assert heads[0].kind == "onednn" and readout.project.kind == "onednn"
+    bf16 = tiny_llama(vocab_size=64).to(torch.bfloat16)  # a float32 kind never applies to bfloat16
+    assert prepack_linears(bf16, "mkl").kind == ("onednn" if kernels.onednn_bf16_supported() else "none")
 
 
 class _Attention(torch.nn.Module):
