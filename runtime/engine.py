@@ -1,6 +1,6 @@
 """Engine: the Python API over the decode loop — text in, tokens and text out, stop strings handled.
 
-    engine = Engine.load("smollm2-135m-instruct", dtype="bfloat16", drafter="eagle+lookup")
+    engine = Engine.load("smollm2-135m-instruct", dtype="auto", drafter="eagle+lookup")
     result = engine.generate("Summarize: ...", max_new_tokens=128)
     result.text, result.stats.acceptance_length
 

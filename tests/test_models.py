@@ -1,4 +1,4 @@
-"""The converted-model cache: one entry per GGUF content, wherever the file is installed."""
+"""The converted-model cache: one entry per GGUF content, wherever the file is installed; the "auto" dtype."""
 
 import os
 
@@ -19,3 +19,19 @@ def test_cache_entry_is_keyed_by_content(tmp_path, monkeypatch):
 
     b.write_bytes(b"GGUF" + bytes(range(255)))  # other content: its own entry
     assert _converted_dir(a) != _converted_dir(b)
+
+
+def test_auto_dtype_is_bfloat16_only_where_its_kernels_are(monkeypatch, tiny_model_dir):
+    import torch
+
+    from headstart.runtime import kernels
+    from headstart.runtime.models import load_model, resolve_dtype
+
+    assert resolve_dtype("float16", "cpu") == "float16"  # a dtype named is kept
+    monkeypatch.setattr(kernels, "onednn_bf16_supported", lambda: True)  # AVX-512 BF16 or AMX
+    assert resolve_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(kernels, "onednn_bf16_supported", lambda: False)  # AVX2 only
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert load_model(str(tiny_model_dir), "auto")[0].dtype == torch.float32
+    if not torch.cuda.is_available():
+        assert resolve_dtype("auto", "cuda") == "float32"

@@ -13,7 +13,7 @@ from headstart.runtime.models import DEFAULT_MODEL
 
 def add_parsers(sub) -> None:
     b = sub.add_parser("bench", help="tokens/s, speedup and acceptance length of decoding methods")
-    common.add_model_args(b, "bfloat16")
+    common.add_model_args(b, "auto")
     common.add_prepack_arg(b)
     common.add_adapter_args(b)
     b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {common.SPEC_BENCH})")
@@ -117,11 +117,11 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
                               categories, args.seed, args.breakdown, **options)  # fmt: skip
     table = bench.summarize(records)
     packed, grouped = engine.target.packed, "grouped-query" if engine.target.grouped else "stock"
-    device = engine.target.device
+    device, dtype = engine.target.device, str(engine.target.dtype).removeprefix("torch.")
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     machine = (
         f"{processor}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"{args.dtype}, {args.device}, model {args.model}, kernels {packed.kind} (packed in {packed.seconds:.2f} s), "
+        f"{dtype}, {args.device}, model {args.model}, kernels {packed.kind} (packed in {packed.seconds:.2f} s), "
         f"{grouped} tree attention"
     )
     meta = {"command": "headstart " + " ".join(argv), "machine": machine}
@@ -134,7 +134,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
         print(text)
         md_path.with_name(md_path.stem + "-breakdown.md").write_text(text)
         if args.breakdown_doc:
-            bench.replace_section(Path(args.breakdown_doc), f"breakdown {args.dtype}", text)
+            bench.replace_section(Path(args.breakdown_doc), f"breakdown {dtype}", text)
     if args.report_to == "wandb":
         print(bench.report_wandb(table, meta, Path(args.out), run_name=json_path.stem), file=sys.stderr)
     return 0

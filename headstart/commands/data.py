@@ -15,7 +15,7 @@ from headstart.train.distill import BACKENDS, DERIVED
 
 def add_parsers(sub) -> None:
     ds = sub.add_parser("distill", help="self-distillation: the target answers training prompts (resumable)")
-    common.add_model_args(ds, "bfloat16")
+    common.add_model_args(ds, "auto")
     common.add_adapter_args(ds)
     ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
     ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")

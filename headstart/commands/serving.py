@@ -14,7 +14,7 @@ from headstart.runtime.prompts import load_prompts
 
 def add_parsers(sub) -> None:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
-    common.add_model_args(sv, "bfloat16")
+    common.add_model_args(sv, "auto")
     common.add_prepack_arg(sv)
     common.add_adapter_args(sv)
     common.add_drafter_args(sv)
