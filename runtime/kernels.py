@@ -15,11 +15,11 @@ pass does, without compiling anything):
   `runtime/calibrate.choose_kernels` times both on the whole target once per machine (an AVX2-only AMD EPYC:
   oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 / 8 rows, MKL 69 / 112 / 112 / 154).
 
-Measured on the 2-core CPU of docs/tuning.md (SmolLM2-135M, 256 cached tokens, ms per forward): float32
+Measured on an earlier round's 2-core CPU with AVX-512 (SmolLM2-135M, 256 cached tokens, ms per forward): float32
 1 / 4 / 8 / 16 rows 44.8 / 68.4 / 82.3 / 96.3 stock, 45.0 / 59.0 / 63.7 / 74.9 packed; bfloat16 50.9 / 59.6 /
 61.6 / 64.4 stock, 40.8 / 47.0 / 51.7 / 57.1 packed. The original weight stays the module's `weight` (tied
 embeddings and drafters that read `lm_head.weight` see no change); results equal the stock kernel's to float
-rounding. Memory: a packed copy of every linear weight in bfloat16, one per row bucket in float32 (3x the
+rounding. Memory: a packed copy of every linear weight for oneDNN, one per row bucket for MKL (3x the
 weights; packing is skipped when the copies would take more than half the memory available). Packing takes
 0.2-0.3 s for SmolLM2-135M and is redone at each load (reading a cached copy would cost as much). CPU only
 (CUDA kernels need no packing; CUDA graphs, the GPU's tool against launch overhead, are not built yet),
