@@ -91,16 +91,21 @@ def measure_cost_curve(target: Target, reps: int = 5, rows_timed: tuple[int, ...
     return dict(sorted(curve.items()))
 
 
+def _cached(path: Path | None, measure):
+    """The JSON object stored at `path`, else `measure()`, stored there (when `path` is not None)."""
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    value = measure()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+    return value
+
+
 def cost_curve(target: Target, cache: Path | None) -> dict[int, float]:
     """The target's cost curve, read from `cache` (a folder) when it was measured before, else measured there."""
     path = cache / f"{_key(target)}.json" if cache is not None else None
-    if path is not None and path.exists():
-        return {int(k): v for k, v in json.loads(path.read_text()).items()}
-    curve = measure_cost_curve(target)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(curve))
-    return curve
+    return {int(k): v for k, v in _cached(path, lambda: measure_cost_curve(target)).items()}
 
 
 def choose_kernels(target: Target, cache: Path | None) -> str:
@@ -111,23 +116,23 @@ def choose_kernels(target: Target, cache: Path | None) -> str:
     if target.packed.kind not in FP32_KINDS:
         return target.packed.kind
     path = cache / f"kernels-{_key(target, 'fp32')}.json" if cache is not None else None
-    if path is not None and path.exists():
-        costs = json.loads(path.read_text())
-    else:
-        t0 = time.perf_counter()
-        print("headstart: timing the float32 kernels on this CPU (once; cached)", file=sys.stderr, flush=True)
-        costs = {}
-        for kind in FP32_KINDS:
-            target.use_kernels(kind)
-            costs[kind] = sum(measure_cost_curve(target, reps=3, rows_timed=TREE_ROWS).values())
-        said = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in costs.items())
-        print(f"headstart: {len(TREE_ROWS)} forwards of 1-16 rows: {said} -> {min(costs, key=costs.get)} "
-              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)  # fmt: skip
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(costs))
+    costs = _cached(path, lambda: _time_fp32_kernels(target))
     target.use_kernels(min(costs, key=costs.get))
     return target.packed.kind
+
+
+def _time_fp32_kernels(target: Target) -> dict[str, float]:
+    """ms summed over the TREE_ROWS forwards under each of FP32_KINDS, said on stderr (it takes seconds)."""
+    t0 = time.perf_counter()
+    print("headstart: timing the float32 kernels on this CPU (once; cached)", file=sys.stderr, flush=True)
+    costs = {}
+    for kind in FP32_KINDS:
+        target.use_kernels(kind)
+        costs[kind] = sum(measure_cost_curve(target, reps=3, rows_timed=TREE_ROWS).values())
+    said = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in costs.items())
+    print(f"headstart: {len(TREE_ROWS)} forwards of 1-16 rows: {said} -> {min(costs, key=costs.get)} "
+          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)  # fmt: skip
+    return costs
 
 
 def cost_at(curve: dict[int, float], rows: int) -> float:
