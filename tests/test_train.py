@@ -237,6 +237,18 @@ def test_init_from_an_eagle3_head_moves_its_lm_head_rows_with_their_tokens(tmp_p
     assert 0 < carried < 12
     for name in set(saved) - {"draft_vocab", "lm_head.weight"}:
         assert torch.equal(warm[name], saved[name].float()), name
+    # heads.keep_vocab: the trained vocabulary as it is, in its order, every row carried
+    keep = {"heads.draft_vocab": 8, "heads.init_from": trained, "heads.keep_vocab": True}
+    kept = make_cfg(tmp_path / "c", tiny_model_dir, "eagle3", **keep)
+    warm = train_heads.Trainer(kept, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
+    assert torch.equal(warm["draft_vocab"], saved["draft_vocab"])
+    assert torch.equal(warm["lm_head.weight"], saved["lm_head.weight"].float())
+    wrong = make_cfg(tmp_path / "c", tiny_model_dir, "eagle3", **{**keep, "heads.draft_vocab": 12})
+    with pytest.raises(ConfigError, match="drafts 8 tokens"):
+        train_heads.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
+    kept.heads.init_from = ""
+    with pytest.raises(ConfigError, match="which is not set"):
+        train_heads.run(kept)
 
 
 def test_training_prompts_skip_malformed_lines_and_keep_permissive_rows(tmp_path, capsys):

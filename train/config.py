@@ -48,6 +48,7 @@ class HeadsConfig:
     unroll_from_step: int = 0  # eagle, eagle3: optimizer steps before this one train with unroll = 1
     draft_vocab: int = 0  # read out only the N most frequent response tokens (heads/vocab.py); 0 = all
     init_from: str = ""  # a trained heads directory to start from (its vocabulary recomputed): new data, new schedule
+    keep_vocab: bool = False  # with init_from: keep its draft vocabulary as trained instead (draft_vocab: its size)
 
 
 @dataclass

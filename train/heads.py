@@ -96,14 +96,14 @@ class Trainer:
             print(f"headstart: process {accelerator.process_index} of {accelerator.num_processes} holds {held} of the "
                   f"target's {total} decoder-layer weights", file=sys.stderr, flush=True)  # fmt: skip
         self.features = self.cache_features(rows) if cfg.data.features else None
-        if cfg.heads.draft_vocab:
+        if cfg.heads.draft_vocab and not cfg.heads.keep_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
             heads.draft_vocab.copy_(frequent_tokens(responses, cfg.heads.draft_vocab, model.config.vocab_size))
         if self.kind.prepare is not None:
             self.kind.prepare(heads, model)
         self.started_from = None  # the trained heads this run starts from (config.json's "init_from")
         if cfg.heads.init_from:
-            self.started_from = init_from_trained(heads, cfg.heads.init_from, model, tokenizer)
+            self.started_from = init_from_trained(heads, cfg.heads.init_from, model, tokenizer, cfg.heads.keep_vocab)
         groups = [{"params": list(heads.parameters())}]
         trained: nn.Module = heads
         if self.kind.trains_target:  # Medusa-2: the target's LoRA trains beside the heads, at its own learning rate
@@ -338,16 +338,24 @@ def drop_metrics_after(path: Path, step: int) -> None:
         path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
 
 
-def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> dict:
+def init_from_trained(heads: nn.Module, directory: str, model, tokenizer, keep_vocab: bool = False) -> dict:
     """Copy the weights of the trained heads in `directory` into `heads`, all but the draft vocabulary.
 
     Medusa and EAGLE predict hidden states that the target's lm_head reads out, so their weights do not
     depend on which tokens the readout scores: a run on new data recomputes the vocabulary from that
     data and starts from these weights. An EAGLE-3 head's own lm_head has a row per draft token: the
     rows move with their tokens (`carry_rows`), so its vocabulary is recomputed too (and may grow).
+    With `keep_vocab` the trained vocabulary is taken as it is (a smaller data set than the one that
+    chose it would choose worse), so every lm_head row is kept.
     """
     try:
         trained, config = load_heads(directory, model, tokenizer)
+        if keep_vocab:
+            own = heads.draft_vocab
+            if trained.draft_vocab is None or own is None or len(trained.draft_vocab) != len(own):
+                size = "all tokens" if trained.draft_vocab is None else f"{len(trained.draft_vocab):,} tokens"
+                raise ConfigError(f"heads.keep_vocab: {directory} drafts {size}; set heads.draft_vocab to that size")
+            own.copy_(trained.draft_vocab.to(own))
         state = {k: v for k, v in trained.state_dict().items() if k != "draft_vocab"}
         if hasattr(trained, "lm_head"):  # EAGLE-3
             state["lm_head.weight"], carried = carry_rows(trained, heads)
@@ -355,6 +363,8 @@ def init_from_trained(heads: nn.Module, directory: str, model, tokenizer) -> dic
             print(f"headstart: heads.init_from: {carried:,} of {n:,} draft tokens keep their trained lm_head rows, "
                   "the others start from the target's", file=sys.stderr, flush=True)  # fmt: skip
         missing, unexpected = heads.load_state_dict(state, strict=False)
+    except ConfigError:
+        raise
     except (ValueError, RuntimeError) as e:  # not a checkpoint, another target, other shapes
         raise ConfigError(f"heads.init_from: cannot start from {directory}: {e}") from e
     if unexpected or set(missing) - {"draft_vocab"}:
@@ -389,6 +399,8 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
     for key, value in (("output_dir", cfg.output_dir), ("data.path", cfg.data.path)):
         if not value:
             raise ConfigError(f"{key} is required (a folder; the configs in configs/ set it)")
+    if cfg.heads.keep_vocab and not cfg.heads.init_from:
+        raise ConfigError("heads.keep_vocab keeps the vocabulary of heads.init_from, which is not set")
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
     if lora and cfg.data.features:
