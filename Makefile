@@ -37,7 +37,7 @@ EXACTNESS_TESTS = tests/test_target.py tests/test_drafter_contract.py tests/test
 test: install $(VENV)/.deepspeed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest $(PYTEST_WORKERS) --durations=25
 	$(BIN)/python -m pytest $(PYTEST_WORKERS) -q --no-prepack $(EXACTNESS_TESTS) -k "not sampling_follows_the_target and not sampling_first_three and not published_layouts"
 
 bench: install

@@ -59,7 +59,7 @@ def test_greedy_identity_on_the_sample_prompts(engine, prompts):
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_greedy_identity_with_shipped_heads(engine, kind):
-    """The heads shipped in heads/trained, 10 test prompts x 64 tokens, fp32."""
+    """The heads shipped in heads/trained, a test prompt per category x 64 tokens, fp32."""
     heads = SHIPPED / f"smollm2-135m-instruct-{kind}"
     drafter = engine.make_drafter(kind, heads=str(heads))  # with the embedded model's profile
     trained = json.loads((heads / "config.json").read_text())["options"]["draft_vocab"]
@@ -67,7 +67,7 @@ def test_greedy_identity_with_shipped_heads(engine, kind):
     assert drafter.readout.size == min(trained, profile["draft_vocab"])  # a prefix of the draft vocabulary
     if kind == "medusa":  # the default tree: the budget calibrated on this machine, from the saved accuracies
         assert len(drafter.shape) == engine.tree_choice(kind, heads=str(heads)).budget
-    assert assert_identity(engine, drafter, sample_prompts(2)) > 0
+    assert assert_identity(engine, drafter, sample_prompts(1)) > 0
 
 
 @pytest.mark.parametrize(
@@ -80,13 +80,14 @@ def test_greedy_identity_with_shipped_heads(engine, kind):
 )
 def test_shipped_heads_rewritten_in_published_layouts(engine, prompts, tmp_path, kind, layouts):
     """Each shipped head written as its kind's authors (and SpecForge, speculators) publish heads, loaded from that
-    folder: greedy identity, and acceptance within 10 % of the shipped head's with the same tree options (5 test
+    folder: greedy identity, and acceptance within 10 % of the shipped head's with the same tree options (3 test
     prompts x 64 tokens, fp32). Medusa's tree comes from the prior there (no measured accuracies travel)."""
     import warnings
 
     from headstart.heads.checkpoint import load_heads
     from helpers.published import write_published
 
+    prompts = prompts[:3]
     heads = SHIPPED / f"smollm2-135m-instruct-{kind}"
     module, config = load_heads(heads, engine.target.model, engine.tokenizer)
     options = {"budget": 8, "draft_vocab": config.options.get("draft_vocab") or None}  # no calibration, every row
