@@ -113,7 +113,7 @@ def choose_kernels(target: Target, cache: Path | None) -> str:
     (the trees' range; the sum of ms at the counts of ROWS up to 16) cheaper on this machine, timed on the whole
     target once, then read from `cache` (a folder). MKL's packed GEMM wins on one CPU, oneDNN's on another
     (`runtime/kernels.py`). Other targets keep their kernels. Returns the kind in use."""
-    if target.packed.kind not in FP32_KINDS:
+    if target.dtype != torch.float32 or target.packed.kind not in FP32_KINDS:
         return target.packed.kind
     path = cache / f"kernels-{_key(target, 'fp32')}.json" if cache is not None else None
     costs = _cached(path, lambda: _time_fp32_kernels(target))

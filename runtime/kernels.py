@@ -119,13 +119,15 @@ class PackedLinear(nn.Linear):
 def packed_projection(weight: torch.Tensor, kind: str | None = None) -> PackedLinear | None:
     """x -> x @ weight.T with `weight` (N, H) prepacked (a drafter's readout) as `kind` (None: the default that
     suits it); None where no packing suits it."""
-    kind = _chosen(_packing_for(weight), kind)
+    kind = _chosen(_packing_for(weight), kind, weight.dtype)
     return None if kind == "none" else PackedLinear.from_weight(weight.detach(), None, kind)
 
 
-def _chosen(default: str, kind: str | None) -> str:
-    """`kind` where it may replace `default` (float32's are interchangeable), else `default`."""
-    return kind if kind is not None and default in FP32_KINDS and kind in FP32_KINDS else default
+def _chosen(default: str, kind: str | None, dtype: torch.dtype) -> str:
+    """`kind` where it may replace `default` (a float32 model's kinds are interchangeable; bfloat16 packs as oneDNN
+    only), else `default`."""
+    interchangeable = dtype == torch.float32 and default in FP32_KINDS and kind in FP32_KINDS
+    return kind if interchangeable else default
 
 
 def _available_bytes() -> int | None:
@@ -152,7 +154,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
     """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, where
     the model suits a packing and its packed copies (one for "onednn", one per row bucket for "mkl") take at most
     half the memory available. `kind`: one of `FP32_KINDS` for a float32 model (None: the default)."""
-    kind = _chosen(_packing(model), kind)
+    kind = _chosen(_packing(model), kind, next(model.parameters()).dtype)
     if kind == "none":
         return Prepacked()
     copies = 1 if kind == "onednn" else len(ROW_BUCKETS)

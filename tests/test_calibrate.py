@@ -4,8 +4,9 @@ live resizing from the acceptance seen."""
 import copy
 
 import pytest
+import torch
 
-from headstart.runtime import calibrate
+from headstart.runtime import calibrate, kernels
 from headstart.runtime.calibrate import LiveSizer, choose_budget, cost_at, cost_curve, fit_factor, scale_accuracy
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import stream
@@ -73,6 +74,19 @@ def test_the_float32_kernels_are_chosen_by_their_measured_cost_and_the_choice_ca
     target.use_kernels("mkl")
     assert calibrate.choose_kernels(target, tmp_path) == "onednn" == target.packed.kind
     assert calibrate.choose_kernels(Target(tiny_llama(vocab_size=64), fast=False), tmp_path) == "none"
+
+
+def test_a_bfloat16_target_keeps_onednn_beside_a_cached_float32_choice(tmp_path, monkeypatch):
+    """A bfloat16 target packs as oneDNN; the float32 choice (MKL here) must not reach it: on an AVX-512 CPU a bf16
+    load after a float32 one once repacked the bf16 weights for MKL, which takes float32 only, and raised."""
+    monkeypatch.setattr(kernels, "onednn_bf16_supported", lambda: True)  # as on AVX-512 BF16 or AMX
+    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("a bf16 target timed"))
+    target = Target(tiny_llama(vocab_size=64).to(torch.bfloat16))
+    assert target.packed.kind == "onednn"
+    assert calibrate.choose_kernels(target, tmp_path) == "onednn" == target.packed.kind
+    assert not list(tmp_path.iterdir())
+    target.use_kernels("mkl")
+    assert target.packed.kind == "onednn"
 
 
 @pytest.fixture
