@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from headstart.heads.masks import additive_mask
 from headstart.runtime import kernels
@@ -162,6 +163,31 @@ def test_grouped_sdpa_equals_stock_sdpa_on_a_tree():
     got, _ = grouped_sdpa(_Attention(), query, key, value, mask, scaling=0.3)
     assert got.shape == want.shape == (1, 5, 6, 8)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_grouped_sdpa_equals_stock_sdpa_for_one_query(monkeypatch):
+    """A plain step: one query, 6 heads over 2 key/value heads, unmasked (stock SDPA takes `enable_gqa`, which on
+    CPU costs a copy of the cache) or under a (1, 1, 1, k) mask (a sliding window). Stacked heads, no SDPA GQA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    query = torch.randn(1, 1, 6, 8).transpose(1, 2)  # (B, H, 1, D)
+    key, value = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    window = torch.zeros(1, 1, 1, 12)
+    window[..., :4] = torch.finfo(torch.float32).min  # the first 4 keys out of the window
+    real = F.scaled_dot_product_attention
+
+    def no_gqa(*args, **kwargs):
+        assert not kwargs.get("enable_gqa") and args[0].shape[1] == 2  # (B, G, r, D): heads stacked as rows
+        return real(*args, **kwargs)
+
+    for mask in (None, window):
+        want, _ = sdpa_attention_forward(_Attention(), query, key, value, mask, scaling=0.3)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", no_gqa)
+        got, _ = grouped_sdpa(_Attention(), query, key, value, mask, scaling=0.3)
+        monkeypatch.undo()
+        assert got.shape == want.shape == (1, 1, 6, 8)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 def test_fast_target_verifies_a_tree_without_repeating_the_cache(monkeypatch):
