@@ -37,6 +37,7 @@ Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents fi
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row counts timed (root + nodes)
 PAST = 256  # cached tokens while timing (a typical chat prompt)
+FORWARD_VERSION = 2  # raise when the target's forward changes its costs, so that cached curves are measured again
 TREE_ROWS = tuple(r for r in ROWS if r <= 16)  # the row counts `choose_kernels` compares the kernels over
 
 
@@ -55,10 +56,10 @@ def cpu_name() -> str:
 
 def _key(target: Target, kind: str | None = None) -> str:
     """What the curve depends on: the model's config and weights' identity, device, dtype, kernels (`kind`
-    None: those packed now), torch."""
+    None: those packed now), torch, the version of our forward."""
     config = target.model.config.to_json_string(use_diff=False)
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu_name()
-    kernels = f"{target.packed.kind if kind is None else kind}, grouped attention {target.grouped}"
+    kernels = f"{target.packed.kind if kind is None else kind}, grouped attention {target.grouped} v{FORWARD_VERSION}"
     parts = [config, str(target.dtype), device, kernels, torch.__version__, str(torch.get_num_threads())]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
