@@ -91,9 +91,11 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
     B, H, q, D = query.shape  # (B, H, q, D) queries; key, value: (B, G, k, D) with G key/value heads
     G = key.shape[1]
-    shared_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-    if (G == H or not (shared_mask or (q == 1 and attention_mask is None))  # prefill (causal, no mask): stock
-            or dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):  # fmt: skip
+    # a plain step (one query, no mask) or one mask shared by every head (a tree); a causal prefill stays stock
+    shared = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+    groupable = shared or (q == 1 and attention_mask is None)
+    if (G == H or not groupable or dropout or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None):  # fmt: skip
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
     r = H // G  # query heads per key/value head: head g * r + j reads key/value head g

@@ -59,8 +59,9 @@ def _key(target: Target, kind: str | None = None) -> str:
     None: those packed now), torch, the version of our forward."""
     config = target.model.config.to_json_string(use_diff=False)
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu_name()
-    kernels = f"{target.packed.kind if kind is None else kind}, grouped attention {target.grouped} v{FORWARD_VERSION}"
+    kernels = f"{target.packed.kind if kind is None else kind}, grouped attention {target.grouped}"
     parts = [config, str(target.dtype), device, kernels, torch.__version__, str(torch.get_num_threads())]
+    parts.append(f"forward v{FORWARD_VERSION}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
