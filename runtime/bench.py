@@ -368,12 +368,16 @@ def markdown(table: dict) -> str:
 
 
 BREAKDOWN = ("propose", "mask", "layers", "lm_head", "accept", "commit", "observe", "python", "detokenise")
+FORWARD = ("mask", "layers", "lm_head")  # the target's verification forward over the tree
 
 
 def breakdown_markdown(records: list[Record]) -> str:
     """The round-cost table of a `--breakdown` run: per method and temperature, ms per round of each phase
-    (weighted by rounds), the round's total, that total in plain steps (plain's round at the same temperature)
-    and the acceptance length; speedup = acceptance length / plain steps, up to the prefill."""
+    (weighted by rounds), the round's total, that total in plain steps (plain's round at the same temperature),
+    the acceptance length and speedup = acceptance length / plain steps, up to the prefill. The forward-only
+    ceiling is the speedup were drafting, accepting and committing free: acceptance length / (the target's
+    forward over the tree, `FORWARD`, in plain steps). What the heads' acceptance allows on this machine, whatever
+    the drafting costs."""
     groups: dict[tuple[float, str], list[Record]] = defaultdict(list)
     for r in records:
         if r.phase_ms is not None:
@@ -385,14 +389,16 @@ def breakdown_markdown(records: list[Record]) -> str:
         round_ms[(temperature, method)] = sum(ms.values())
         rows.append((temperature, method, ms, sum(r.new_tokens for r in rs) / max(passes, 1)))
     head = " | ".join(BREAKDOWN)
-    lines = [f"| T | method | {head} | round ms | plain steps | acceptance length |",
-             "| ---: | --- |" + " ---: |" * (len(BREAKDOWN) + 3)]  # fmt: skip
+    lines = [f"| T | method | {head} | round ms | plain steps | acceptance length | speedup | forward-only ceiling |",
+             "| ---: | --- |" + " ---: |" * (len(BREAKDOWN) + 5)]  # fmt: skip
     for temperature, method, ms, tau in sorted(rows, key=lambda row: row[0]):
         plain = round_ms.get((temperature, "plain"))
-        steps = f"{round_ms[(temperature, method)] / plain:.2f}" if plain else "–"
+        total = round_ms[(temperature, method)]
+        forward = sum(ms[k] for k in FORWARD)
+        steps = f"{total / plain:.2f} | {tau:.2f} | {tau * plain / total:.2f} | {tau * plain / forward:.2f}" \
+            if plain and total and forward else f"– | {tau:.2f} | – | –"  # fmt: skip
         cells = " | ".join(f"{ms[k]:.2f}" for k in BREAKDOWN)
-        lines.append(f"| {temperature} | {method} | {cells} | {round_ms[(temperature, method)]:.1f} | {steps} "
-                     f"| {tau:.2f} |")  # fmt: skip
+        lines.append(f"| {temperature} | {method} | {cells} | {total:.1f} | {steps} |")
     return "\n".join(lines) + "\n"
 
 

@@ -130,3 +130,24 @@ def test_acceptance_per_depth_and_the_wandb_report(tmp_path, monkeypatch):
             break
         time.sleep(0.5)
     assert all(name in history for name in wanted)
+
+
+def test_breakdown_table_steps_speedup_and_forward_only_ceiling():
+    # plain: 30 ms a round (25 layers + 5 lm_head), 1 token a round. eagle: 45 ms a round of which the target's
+    # forward (mask + layers + lm_head) is 36 ms, 3 tokens a round over two prompts weighted by rounds.
+    def record(method, prompt, tokens, passes, **ms):
+        phases = dict.fromkeys(bench.BREAKDOWN, 0.0) | ms
+        return bench.Record(method, prompt, "qa", 0.0, tokens, 1.0, passes, None, None, None, [], phase_ms=phases)
+
+    records = [
+        record("plain", "1", 10, 10, layers=25.0, lm_head=5.0),
+        record("eagle", "1", 12, 4, propose=5.0, mask=1.0, layers=30.0, lm_head=5.0, observe=4.0),
+        record("eagle", "2", 6, 2, propose=5.0, mask=1.0, layers=30.0, lm_head=5.0, observe=4.0),
+    ]
+    lines = bench.breakdown_markdown(records).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {r[1]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    assert head[-5:] == ["round ms", "plain steps", "acceptance length", "speedup", "forward-only ceiling"]
+    assert rows["plain"][-5:] == ["30.0", "1.00", "1.00", "1.00", "1.00"]
+    # 45 / 30 = 1.5 plain steps; 3 / 1.5 = 2.00x; were drafting, accepting and committing free: 3 / (36 / 30) = 2.50x
+    assert rows["eagle"][-5:] == ["45.0", "1.50", "3.00", "2.00", "2.50"]
