@@ -118,6 +118,23 @@ def test_sampled_tree_is_pruned_below_min_prob():
     assert min(sizes) >= 1 and sum(size < 6 for size in sizes) >= 10, sizes
 
 
+def test_sampled_tree_records_the_q_of_its_draft_temperature():
+    """draft_temperature 0.5 at the decode's T = 0.8: the root's children are drawn from, and record, q at T = 0.4
+    (top-p as the decode's); the first child's row is that q itself (exactness: tests/test_drafter_contract.py)."""
+    from headstart.runtime.sampling import target_probs
+
+    model = sampling_model()
+    heads, acc = random_heads("eagle", model, 0.1), [[0.5, 0.3], [0.4, 0.3], [0.5]]
+    target, prompt, sampling = Target(model), [1, 2, 3, 4, 5], SamplingParams(temperature=0.8, top_p=0.9)
+    for factor in (0.5, 1.0):
+        options = EagleOptions(sampled_budget=6, draft_temperature=factor)
+        drafter = EagleDrafter(heads, model.model.embed_tokens, model.lm_head, options, acc)
+        drafter.start(prompt, target.prefill(prompt[:-1]), sampling, seed=0)
+        tree = drafter.propose(prompt)
+        q = target_probs(drafter.readout(drafter._root_feature[None])[0], SamplingParams(0.8 * factor, top_p=0.9))
+        torch.testing.assert_close(tree.draft_probs[0], q)
+
+
 def test_sampled_tree_shape_comes_from_the_rank_accuracies():
     """The tree sampled at T > 0 (exactness: tests/test_drafter_contract.py) has the shape the accuracies give."""
     assert sampled_tree_drafter(sampling_model()).shape == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

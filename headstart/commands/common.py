@@ -17,7 +17,7 @@ TEST_PROMPTS = "tests/data/prompts.jsonl"  # 32 prompts written for this project
 # CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
 FLAGS = {"heads": "--heads", "budget": "--tree-budget", "depth": "--tree-depth", "top_k": "--tree-top-k",
          "draft_vocab": "--draft-vocab", "draft_model": "--draft-model", "draft_layers": "--draft-layers",
-         "allow_adapter_mismatch": "--allow-adapter-mismatch"}  # fmt: skip
+         "allow_adapter_mismatch": "--allow-adapter-mismatch", "draft_temperature": "--draft-temperature"}  # fmt: skip
 
 
 class UserError(Exception):
@@ -62,6 +62,9 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
                    "(model, layerskip: 1 = a chain, their default)")  # fmt: skip
     p.add_argument("--draft-vocab", type=at_least_one, default=None, metavar="N",
                    help="medusa, eagle, eagle3: read out only the N most frequent draft tokens")  # fmt: skip
+    p.add_argument("--draft-temperature", type=float, default=None, metavar="F",
+                   help="medusa, eagle, eagle3 at T > 0: draw the guesses at the decode's temperature times F "
+                   "(< 1 sharpens the heads' q; exact at any F; default: the profile's, else 1)")  # fmt: skip
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
     p.add_argument("--allow-adapter-mismatch", action="store_true", default=None,

@@ -8,6 +8,8 @@ A drafter serves one sequence at a time: build one per concurrent decode (`regis
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from headstart.runtime.sampling import SamplingParams
@@ -43,15 +45,24 @@ class Drafter:
 
 class SamplingDrafter(Drafter):
     """Base of the drafters that sample their guesses at T > 0: the decode's sampling parameters and a
-    random stream of their own."""
+    random stream of their own.
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.sampling = SamplingParams()
+    At T > 0 the guesses are drawn from the draft's q at the decode's temperature times `draft_temperature`
+    (`draft_sampling`; top-k and top-p as the decode's). Below 1 it sharpens a q flatter than the target's p,
+    which raises the chance min(1, p/q) that a draw is accepted. Exact at any value: each node records the q it
+    was drawn from, and `accept_path` tests it against p at the decode's own settings."""
+
+    def __init__(self, device: torch.device | str, draft_temperature: float = 1.0) -> None:
+        self.sampling = self.draft_sampling = SamplingParams()
+        self.draft_temperature = draft_temperature
         self.generator = torch.Generator(device=device)
 
     def start_sampling(self, sampling: SamplingParams | None, seed: int | None) -> None:
         """Take the decode's `sampling`; seed the stream from its `seed` (+1: not the verifier's stream)."""
         self.sampling = sampling or SamplingParams()
+        self.draft_sampling = dataclasses.replace(
+            self.sampling, temperature=self.sampling.temperature * self.draft_temperature
+        )
         if seed is None:
             self.generator.seed()
         else:

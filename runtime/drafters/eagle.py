@@ -58,9 +58,10 @@ class EagleDrafter(SamplingDrafter):
         `options.sampled_budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used
         at every temperature. `options.draft_vocab` reads out only that many of the head's most frequent
         draft tokens. The dynamic tree grows no deeper once its likeliest frontier path is less likely
-        than `options.min_prob`."""
+        than `options.min_prob`. `options.draft_temperature`: the sampled tree's draft temperature, as a factor
+        on the decode's (`SamplingDrafter`)."""
         o = options or EagleOptions()
-        super().__init__(lm_head.weight.device)
+        super().__init__(lm_head.weight.device, o.draft_temperature)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head, o.draft_vocab)
         prepack_like_target(lm_head, head, self.readout)  # packed kernels when the target's are
         self.feature_layers = head.feature_layers
@@ -130,7 +131,7 @@ class EagleDrafter(SamplingDrafter):
         past = self._committed
         feature: dict[int, torch.Tensor] = {}  # node -> predicted feature after it (once expanded)
         if self._samples:
-            grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator, self.min_prob)
+            grow = ShapeSampler(self.shape, self.draft_sampling, self.vocab_size, self.generator, self.min_prob)
         else:
             grow = TreeGrower(self.top_k, self.budget, self.min_prob)
         frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)

@@ -28,10 +28,16 @@ class MedusaDrafter(SamplingDrafter):
     name = "medusa"
 
     def __init__(
-        self, heads: MedusaHeads, lm_head: nn.Module, shape: list[tuple[int, ...]], draft_vocab: int | None = None
+        self,
+        heads: MedusaHeads,
+        lm_head: nn.Module,
+        shape: list[tuple[int, ...]],
+        draft_vocab: int | None = None,
+        draft_temperature: float = 1.0,
     ) -> None:
         """`shape`: the tree's paths of ranks, parents first; `draft_vocab` reads out only that many of the
-        heads' most frequent draft tokens."""
+        heads' most frequent draft tokens; `draft_temperature`: the sampled tree's, as a factor on the decode's
+        (`SamplingDrafter`)."""
         if not shape:
             raise ValueError("empty Medusa tree shape")
         depth = max(map(len, shape))
@@ -41,7 +47,7 @@ class MedusaDrafter(SamplingDrafter):
         bad = [p for i, p in enumerate(shape) if len(p) > 1 and index.get(p[:-1], len(shape)) > i]
         if bad:
             raise ValueError(f"tree shape must list every parent before its children (bad: {bad[:3]})")
-        super().__init__(lm_head.weight.device)
+        super().__init__(lm_head.weight.device, draft_temperature)
         self.heads, self.readout, self.shape = heads, heads.readout(lm_head, draft_vocab), shape
         prepack_like_target(lm_head, heads, self.readout)  # packed kernels when the target's are
         self.depth = depth
@@ -71,7 +77,7 @@ class MedusaDrafter(SamplingDrafter):
 
     def _sample_tree(self, logits: torch.Tensor) -> DraftTree:
         """The shape filled depth by depth with draws from each head's q, (D, N) logits."""
-        grow = ShapeSampler(self.shape, self.sampling, self.vocab_size, self.generator)
+        grow = ShapeSampler(self.shape, self.draft_sampling, self.vocab_size, self.generator)
         frontier = grow.add_children([-1], logits[:1], self.readout.to_target)
         for depth in range(1, self.depth):
             parents = grow.choose(frontier)

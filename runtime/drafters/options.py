@@ -50,10 +50,13 @@ class HeadsOptions:
     heads: str | None = None  # trained heads directory; None: the heads shipped for the model, if any
     draft_vocab: int | None = None  # read out only the N most frequent draft tokens; None: all of them
     allow_adapter_mismatch: bool = False  # run heads trained for another LoRA adapter (exact, acceptance may drop)
+    draft_temperature: float = 1.0  # T > 0: guesses drawn from the heads' q at the decode's temperature times this
 
     def __post_init__(self) -> None:
         if self.draft_vocab is not None:
             _at_least_one(draft_vocab=self.draft_vocab)
+        if not 0 < self.draft_temperature < float("inf"):
+            raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature}")
 
 
 @dataclass(frozen=True)

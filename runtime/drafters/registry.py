@@ -121,7 +121,8 @@ def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Draft
         warnings.warn(f"the {kind} heads {why}: their tree comes from a prior (runtime/tree.py, "
                       "prior_rank_accuracy)", stacklevel=2)  # fmt: skip
     shape = choose_tree_shape(accuracy, options.budget)
-    drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, _readout_limit(options, config))
+    drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, _readout_limit(options, config),
+                            options.draft_temperature)  # fmt: skip
     drafter.name = kind
     return drafter
 

@@ -37,6 +37,8 @@ def drafter_setup(root: Path):
         save_heads(root / kind, heads, kind, HEAD_OPTIONS[kind], fingerprint, extra)
         options[kind] = {"heads": str(root / kind)}
     options["eagle3"]["min_prob"] = 0.3  # the same drafter class as eagle: its trees pruned below min_prob
+    # draws from a q sharper (eagle3) and flatter (medusa2) than the decode's temperature gives: exact all the same
+    options["eagle3"]["draft_temperature"], options["medusa2"]["draft_temperature"] = 0.5, 1.7
     return model, tokenizer, options
 
 
