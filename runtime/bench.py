@@ -18,6 +18,7 @@ of speedup and acceptance length per category and method.
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from collections import defaultdict
 from contextlib import ExitStack
@@ -440,7 +441,7 @@ def chart(table: dict, path: Path, title: str = "") -> Path:
     height = fig.get_figheight()
     fig.legend(handles, labels, loc="lower center", ncol=max(len(labels), 1), fontsize=9, frameon=False)  # off the bars
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(textwrap.fill(title, 160), fontsize=9)  # a machine's flags run long
     fig.tight_layout(rect=(0, 0.4 / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

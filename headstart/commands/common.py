@@ -64,7 +64,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
                    help="medusa, eagle, eagle3: read out only the N most frequent draft tokens")  # fmt: skip
     p.add_argument("--draft-temperature", type=float, default=None, metavar="F",
                    help="medusa, eagle, eagle3 at T > 0: draw the guesses at the decode's temperature times F "
-                   "(< 1 sharpens the heads' q; exact at any F; default: the profile's, else 1)")  # fmt: skip
+                   "(< 1 sharpens the heads' q; exact at any F; default 1; docs/tuning.md)")  # fmt: skip
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
     p.add_argument("--allow-adapter-mismatch", action="store_true", default=None,
