@@ -396,10 +396,10 @@ def breakdown_markdown(records: list[Record]) -> str:
         plain = round_ms.get((temperature, "plain"))
         total = round_ms[(temperature, method)]
         forward = sum(ms[k] for k in FORWARD)
-        steps = f"{total / plain:.2f} | {tau:.2f} | {tau * plain / total:.2f} | {tau * plain / forward:.2f}" \
+        ratios = f"{total / plain:.2f} | {tau:.2f} | {tau * plain / total:.2f} | {tau * plain / forward:.2f}" \
             if plain and total and forward else f"– | {tau:.2f} | – | –"  # fmt: skip
         cells = " | ".join(f"{ms[k]:.2f}" for k in BREAKDOWN)
-        lines.append(f"| {temperature} | {method} | {cells} | {total:.1f} | {steps} |")
+        lines.append(f"| {temperature} | {method} | {cells} | {total:.1f} | {ratios} |")
     return "\n".join(lines) + "\n"
 
 

@@ -135,6 +135,22 @@ def test_sampled_tree_records_the_q_of_its_draft_temperature():
         torch.testing.assert_close(tree.draft_probs[0], q)
 
 
+def test_a_draft_temperature_never_turns_a_sampled_decode_greedy():
+    """At T = 1.5e-5 (a sampling decode) a factor of 0.5 would fall below the greedy threshold: the draft then
+    divided by 0 and proposed nothing. It is held at MIN_TEMPERATURE, and the tree is drawn."""
+    from headstart.runtime.sampling import MIN_TEMPERATURE
+
+    model = sampling_model()
+    heads, acc = random_heads("eagle", model, 0.1), [[0.5, 0.3], [0.4, 0.3], [0.5]]
+    options = EagleOptions(sampled_budget=6, draft_temperature=0.5)
+    drafter = EagleDrafter(heads, model.model.embed_tokens, model.lm_head, options, acc)
+    target, prompt = Target(model), [1, 2, 3, 4, 5]
+    drafter.start(prompt, target.prefill(prompt[:-1]), SamplingParams(temperature=1.5e-5), seed=0)
+    tree = drafter.propose(prompt)
+    assert drafter.draft_sampling.temperature == MIN_TEMPERATURE
+    assert len(tree) and tree.draft_probs is not None and torch.isfinite(tree.draft_probs).all()
+
+
 def test_sampled_tree_shape_comes_from_the_rank_accuracies():
     """The tree sampled at T > 0 (exactness: tests/test_drafter_contract.py) has the shape the accuracies give."""
     assert sampled_tree_drafter(sampling_model()).shape == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.sampling import MIN_TEMPERATURE, SamplingParams
 from headstart.runtime.tree import DraftTree
 
 
@@ -60,9 +60,9 @@ class SamplingDrafter(Drafter):
     def start_sampling(self, sampling: SamplingParams | None, seed: int | None) -> None:
         """Take the decode's `sampling`; seed the stream from its `seed` (+1: not the verifier's stream)."""
         self.sampling = sampling or SamplingParams()
-        self.draft_sampling = dataclasses.replace(
-            self.sampling, temperature=self.sampling.temperature * self.draft_temperature
-        )
+        # a sampling decode keeps a sampled draft: the product must not fall below the greedy threshold
+        scaled = max(self.sampling.temperature * self.draft_temperature, MIN_TEMPERATURE)
+        self.draft_sampling = dataclasses.replace(self.sampling, temperature=0.0 if self.sampling.greedy else scaled)
         if seed is None:
             self.generator.seed()
         else:
