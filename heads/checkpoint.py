@@ -14,7 +14,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -81,7 +85,7 @@ def check_fingerprint(trained_for: dict, target: dict, where: str, allow_adapter
         warnings.warn(f"{mismatch}: running them anyway; the output stays exact, acceptance may drop", stacklevel=2)
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_floats(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Floating-point tensors to `dtype`; integer ones (the draft vocabulary's ids) stay as they are."""
     return t.to(dtype) if t.is_floating_point() else t
 
@@ -162,7 +166,7 @@ def save_heads(
     directory.mkdir(parents=True, exist_ok=True)
     extra = dict(extra or {})
     dtype = getattr(torch, extra.setdefault("dtype", "bfloat16"))
-    state = {k: _cast(v.detach(), dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
+    state = {k: cast_floats(v.detach(), dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(state, directory / "model.safetensors")
     if hasattr(heads, "layer_config"):  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
         extra["draft_layer"] = heads.layer_config()
@@ -209,21 +213,21 @@ def read_checkpoint(directory: str | Path) -> tuple[HeadsConfig, dict[str, torch
     return config, weights
 
 
-def load_heads(
-    directory: str | Path, model: nn.Module, tokenizer=None, allow_adapter_mismatch: bool = False
-) -> tuple[nn.Module, HeadsConfig]:
-    """Load heads from `directory` onto the target `model`; returns (module, config). A directory in a published
-    layout (`heads/published.py`) is read as such and checked against `model`."""
-    from headstart.heads.published import adopt, detect_layout, read_published
-
-    if detect_layout(directory) != "headstart":
-        config, state = adopt(read_published(directory), model, tokenizer, str(directory))
-    else:
-        config, state = read_checkpoint(directory)
-        check_fingerprint(config.target, target_fingerprint(model, tokenizer), str(directory), allow_adapter_mismatch)
-    heads = build_heads(config.kind, model, **config.options)
+def write_new_dir(out_dir: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` into a temporary folder beside `out_dir` (which must not exist, or be empty), then moved into
+    place: a failed write leaves nothing."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir} exists and is not empty: choose a new folder")
     try:
-        heads.load_state_dict({k: _cast(v, model.dtype) for k, v in state.items()})
-    except RuntimeError as e:  # weights of other shapes: one line naming the file
-        raise ValueError(f"cannot load {Path(directory) / 'model.safetensors'}: {str(e)[:200]}") from e
-    return heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False), config
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    except OSError as e:
+        raise ValueError(f"cannot write into {out_dir.parent}: {e.strerror}") from e
+    try:
+        write(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

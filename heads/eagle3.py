@@ -1,18 +1,26 @@
-"""EAGLE-3 head: three of the target's layers fused, one Llama decoder layer, its own draft lm_head.
+"""EAGLE-3 head: k of the target's layers fused, one (or more) decoder layers, its own draft lm_head.
 
 The forward both vLLM and SGLang run (../shared/ENGINES.md), written here once:
 
-    u = fc(cat(h_low, h_mid, h_high))                        # (B, T, 3H) -> (B, T, H), no bias
+    u = fc(cat(h_1, ..., h_k))                               # (B, T, kH) -> (B, T, H), no bias
     x = cat(input_layernorm(embed(token)), hidden_norm(u))   # (B, T, 2H): q/k/v read 2H
     s = u + o_proj(attn(x))                                  # the residual is the un-normalised u
     y = s + mlp(post_attention_layernorm(s))
+    y = layer_i(y) for each further draft layer              # plain Llama decoder layers (usually none)
     draft logits = lm_head(norm(y))                          # (B, T, N) over the draft vocabulary
 
-With `norm_before_residual` (heads trained by speculators) the residual is hidden_norm(u) instead of u.
-h_low, h_mid, h_high are the target's residual stream after layers 2, N//2 and N-3 (Hugging Face
-`output_hidden_states[k]`), `feature_layers`. At the next drafting step the head reads its own y in
-place of u (fc is skipped). The draft layer is a Llama layer whatever the target is, sized like the
-target's layers; the token embedding is the target's, frozen, and not part of the head.
+h_1..h_k are the target's residual stream after the `feature_layers` (Hugging Face `output_hidden_states[k]`;
+by default k = 3: layers 2, N//2 and N-3). At the next drafting step the head reads its own y in place of u
+(fc is skipped). The draft layer is a Llama layer whatever the target is, sized like the target's layers; the
+token embedding is the target's, frozen, and not part of the head.
+
+Variants published heads use (speculators 0.9 writes each; all off by default):
+- `norm_before_residual`: the first layer's residual is hidden_norm(u), not u (speculators' own heads).
+- `norm_before_fc` (gpt-oss style): one RMSNorm `input_norm` over the concatenation, before fc.
+- `fc_norm` (EAGLE 3.1): one RMSNorm per fused state, `fc_norm.i`, each on its own chunk, before fc.
+- `norm_output` (EAGLE 3.1): y = norm(y) is what the next step reads, and the logits read it without a
+  second norm: lm_head(y).
+- `num_layers` > 1: further plain Llama decoder layers after the first.
 
 Draft vocabulary: `lm_head` has one row per draft token; the buffer `draft_vocab` (N,) holds their
 target ids, most frequent first (so a readout may keep only the first `limit` rows); exported, it
@@ -29,12 +37,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from headstart.heads.vocab import DraftReadout
 
 
-def engine_feature_layers(num_layers: int) -> tuple[int, int, int]:
+def engine_feature_layers(num_layers: int) -> tuple[int, ...]:
     """The target layers vLLM and SGLang fuse by default: (2, N//2, N-3)."""
     return (2, num_layers // 2, num_layers - 3)
 
 
-def feature_layers(num_layers: int) -> tuple[int, int, int]:
+def feature_layers(num_layers: int) -> tuple[int, ...]:
     """The engines' layers, clamped into 1..N (ascending) for targets too shallow for them (test models)."""
     return tuple(sorted(min(max(k, 1), num_layers) for k in engine_feature_layers(num_layers)))
 
@@ -130,25 +138,47 @@ class Eagle3Head(nn.Module):
         layers: list[int] | None = None,
         norm_before_residual: bool = False,
         layer: dict | None = None,
+        fc_norm: bool = False,
+        norm_before_fc: bool = False,
+        norm_output: bool = False,
+        num_layers: int = 1,
     ) -> None:
-        """`layers`: the fused target layers (default: the engines'); `norm_before_residual` and `layer` (the
-        draft layer's own sizes, where they differ from the target's) serve heads published elsewhere."""
+        """`layers`: the fused target layers (default: the engines' three); `layer`: the draft layers' own sizes
+        where they differ from the target's; the other options are the variants of the module docstring."""
         super().__init__()
         if draft_vocab > target.vocab_size:
             raise ValueError(f"a draft vocabulary of {draft_vocab} is larger than the target's {target.vocab_size}")
+        if fc_norm and norm_before_fc:
+            raise ValueError("fc_norm and norm_before_fc are exclusive: a head norms its fused states one way")
+        if num_layers < 1:
+            raise ValueError(f"an EAGLE-3 head has at least one draft layer, got num_layers {num_layers}")
         self.config = draft_config(target, draft_vocab, layer)
         self.feature_layers = tuple(layers or feature_layers(target.num_hidden_layers))
-        if len(self.feature_layers) != 3 or not all(1 <= k <= target.num_hidden_layers for k in self.feature_layers):
-            raise ValueError(f"EAGLE-3 fuses three target layers in 1..{target.num_hidden_layers}, "
-                             f"got {list(self.feature_layers)}")  # fmt: skip
-        hidden = target.hidden_size
-        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        n = target.num_hidden_layers
+        if len(self.feature_layers) < 2 or not all(1 <= k <= n for k in self.feature_layers):
+            raise ValueError(f"EAGLE-3 fuses two or more target layers in 1..{n}, got {list(self.feature_layers)}")
+        self.norm_output = norm_output
+        hidden, k, eps = target.hidden_size, len(self.feature_layers), self.config.rms_norm_eps
+        self.input_norm = LlamaRMSNorm(k * hidden, eps=eps) if norm_before_fc else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(hidden, eps=eps) for _ in range(k)) if fc_norm else None
+        self.fc = nn.Linear(k * hidden, hidden, bias=False)
         self.midlayer = Eagle3DecoderLayer(self.config, norm_before_residual)
-        self.norm = LlamaRMSNorm(hidden, eps=self.config.rms_norm_eps)
+        self.extra_layers = nn.ModuleList(LlamaDecoderLayer(self.config, layer_idx=i) for i in range(1, num_layers))
+        self.norm = LlamaRMSNorm(hidden, eps=eps)
         self.lm_head = nn.Linear(hidden, self.config.draft_vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(self.config)
         # (N,) target ids of the lm_head's rows, set by training; None = the full vocabulary in order.
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
+
+    def variant(self) -> dict:
+        """The variant options this head was built with (saved with it; the export writes them)."""
+        return {
+            "norm_before_residual": self.midlayer.norm_before_residual,
+            "fc_norm": self.fc_norm is not None,
+            "norm_before_fc": self.input_norm is not None,
+            "norm_output": self.norm_output,
+            "num_layers": 1 + len(self.extra_layers),
+        }
 
     @classmethod
     def for_target(cls, model: nn.Module, **options) -> Eagle3Head:
@@ -166,22 +196,36 @@ class Eagle3Head(nn.Module):
         self.lm_head.weight.data.copy_(rows)
 
     def readout(self, target_lm_head: nn.Module | None = None, limit: int | None = None) -> DraftReadout:
-        """norm + the head's own lm_head, over its first `limit` draft tokens (the target's lm_head is unused)."""
-        return DraftReadout(self.lm_head.weight, self.draft_vocab, limit, norm=self.norm)
+        """norm (unless the output is normed already) + the head's own lm_head, over its first `limit` draft tokens
+        (the target's lm_head is unused)."""
+        return DraftReadout(self.lm_head.weight, self.draft_vocab, limit, norm=None if self.norm_output else self.norm)
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, kH) the target's fused states -> (B, T, H) u: the norms of the variant, then fc."""
+        if self.input_norm is not None:
+            hidden = self.input_norm(hidden)
+        if self.fc_norm is not None:
+            chunks = hidden.chunk(len(self.fc_norm), dim=-1)
+            hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(hidden)
 
     def forward(
         self,
-        hidden: torch.Tensor,  # (B, T, 3H) target states at t (fused by fc), or (B, T, H) the head's own y
+        hidden: torch.Tensor,  # (B, T, kH) target states at t (fused by fc), or (B, T, H) the head's own y
         next_embeds: torch.Tensor,  # (B, T, H) embeddings of tokens t+1
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # None = causal; else a float 4D mask (B, 1, T, past+T)
         cache=None,
     ) -> torch.Tensor:
-        """y (B, T, H): the layer's output before the final norm, the next step's `hidden`."""
-        u = self.fc(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
+        """y (B, T, H): the draft layers' output (normed with `norm_output`), the next step's `hidden`."""
+        u = self.fuse(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
         cos_sin = self.rotary(u, position_ids)
-        return self.midlayer(next_embeds.to(u.dtype), u, attention_mask, position_ids, cache, cos_sin)
+        y = self.midlayer(next_embeds.to(u.dtype), u, attention_mask, position_ids, cache, cos_sin)
+        for layer in self.extra_layers:
+            y = layer(y, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                      use_cache=cache is not None, position_embeddings=cos_sin)  # fmt: skip
+        return self.norm(y) if self.norm_output else y
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., N) draft logits over every draft token."""
-        return self.lm_head(self.norm(y))
+        return self.lm_head(y if self.norm_output else self.norm(y))

@@ -19,16 +19,13 @@ temporary folder beside OUT_DIR and moved into place at the end: a failed export
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from headstart.heads.checkpoint import HeadsConfig, read_checkpoint
+from headstart.heads.checkpoint import HeadsConfig, read_checkpoint, write_new_dir
 from headstart.heads.eagle3 import engine_feature_layers
 from headstart.heads.kinds import get_kind
 
@@ -113,26 +110,6 @@ def vllm_commands(out_dir: Path, target: str, fmt: str, steps: int = 3) -> str:
         ]
     lines.append("Replace the target by its Hugging Face name or local directory as your engine sees it.")
     return "\n".join(lines) + "\n"
-
-
-def write_new_dir(out_dir: Path, write: Callable[[Path], object]) -> Path:
-    """`write(tmp)` into a temporary folder beside `out_dir` (which must not exist, or be empty), then moved into
-    place: a failed write leaves nothing."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir} exists and is not empty: choose a new folder")
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    except OSError as e:
-        raise ExportError(f"cannot write into {out_dir.parent}: {e.strerror}") from e
-    try:
-        write(tmp)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def export_heads(

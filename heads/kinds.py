@@ -103,13 +103,30 @@ def _eagle_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Te
 
 def _eagle3_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
     return losses.eagle3_loss(module, hidden, tools.embed, head.logits, tools.target_readout, batch["input_ids"],
-                              batch["loss_mask"], _unroll(tools.options, step), tools.to_draft)  # fmt: skip
+                              batch["loss_mask"], _unroll(tools.options, step), tools.to_draft,
+                              head.fc.in_features)  # fmt: skip
 
 
 def _eagle3_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Tensor]:
-    H = hidden.shape[-1] // 4  # the fused layers in, the head's own readout out
-    outs = losses.eagle_unroll(head, hidden[:, :-1, : 3 * H], tools.embed(ids[:, 1:]), depths)
+    fused = head.fc.in_features  # the fused layers in (the final feature after them is not read here)
+    outs = losses.eagle_unroll(head, hidden[:, :-1, :fused], tools.embed(ids[:, 1:]), depths)
     return [head.logits(out[:, k - 1 :]).float() for k, out in enumerate(outs, 1)]
+
+
+EAGLE3_VARIANT = {"norm_before_residual": False, "fc_norm": False, "norm_before_fc": False, "norm_output": False,
+                  "num_layers": 1}  # fmt: skip
+
+
+def _nondefault(variant: dict) -> dict:
+    """The variant options that differ from a plain EAGLE-3 head's (what a checkpoint's config needs to say)."""
+    return {k: v for k, v in variant.items() if EAGLE3_VARIANT[k] != v}
+
+
+def _eagle3_options(cfg) -> dict:
+    variant = {"fc_norm": cfg.fc_norm, "norm_before_fc": cfg.norm_before_fc, "norm_output": cfg.norm_output,
+               "num_layers": cfg.draft_layers}  # fmt: skip
+    layers = {"layers": list(cfg.fused_layers)} if cfg.fused_layers else {}
+    return {"draft_vocab": cfg.draft_vocab, **layers, **_nondefault(variant)}
 
 
 MEDUSA = HeadKind(
@@ -128,7 +145,8 @@ EAGLE = HeadKind(
 )  # fmt: skip
 EAGLE3 = HeadKind(
     "eagle3", Eagle3Head.for_target, "eagle3", _eagle3_loss, _eagle3_depths,
-    saved_options=lambda head: {"layers": list(head.feature_layers)},
+    training_options=_eagle3_options,
+    saved_options=lambda head: {"layers": list(head.feature_layers), **_nondefault(head.variant())},
     prepare=lambda head, model: head.init_lm_head(model.get_output_embeddings()),
     feature_layers=lambda head: (*head.feature_layers, -1),  # and the final feature, for p
     export_refusal=None,

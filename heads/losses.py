@@ -114,7 +114,7 @@ EAGLE3_STEP_DECAY = 0.8  # step k of the training-time test weighs 0.8^k, as in 
 
 def eagle3_loss(
     head: nn.Module,
-    hidden: torch.Tensor,  # (B, T, 4H): the three fused layers, then the final feature
+    hidden: torch.Tensor,  # (B, T, kH + H): the k fused layers (fused_width values), then the final feature
     embed: nn.Module,
     logits: nn.Module,  # the head's own readout: (..., H) -> (..., N) draft logits (Eagle3Head.logits)
     target_readout: nn.Module,  # the target's lm_head over the draft vocabulary: (..., H) -> (..., N)
@@ -122,14 +122,15 @@ def eagle3_loss(
     loss_mask: torch.Tensor,
     unroll: int = 1,
     to_draft=None,
+    fused_width: int | None = None,  # kH, the head's fc input (default: all but the last quarter, k = 3)
 ) -> torch.Tensor:
     """EAGLE-3's loss: for each unrolled step k (0-based, weight 0.8^k, normalised), the soft cross-entropy
     of the head's draft distribution q against the target's next-token distribution p restricted to the
     draft vocabulary (renormalised over it), at response positions whose next token lies in the draft
     vocabulary (p of a token the head cannot propose teaches it nothing). Step k at s needs a root at s - k.
     """
-    H = hidden.shape[-1] // 4
-    fused, final = hidden[:, :-1, : 3 * H], hidden[:, 1:, 3 * H :]  # out_k[s] predicts token s + 2: p from s + 1
+    F_ = fused_width or hidden.shape[-1] // 4 * 3
+    fused, final = hidden[:, :-1, :F_], hidden[:, 1:, F_:]  # out_k[s] predicts token s + 2: p from s + 1
     outs = eagle_unroll(head, fused, embed(input_ids[:, 1:]), unroll)
     valid = loss_mask[:, 1:].clone()
     if to_draft is not None:

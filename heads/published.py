@@ -227,14 +227,88 @@ def _layer_config(config: dict, layout: str) -> dict:
     return config.get("transformer_layer_config") or {} if layout == "eagle3-speculators" else config
 
 
+# Every key an EAGLE-3 config.json of the three dialects may hold: used (they change the drafts), or inert (they
+# do not). Any other key, or an inert key set to a value that would change the drafts, is refused in one line.
+EAGLE3_USED = frozenset({
+    "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "eagle_config", "norm_before_residual", "fc_norm",
+    "norm_before_fc", "norm_output", "transformer_layer_config", "speculators_config", "target_hidden_size",
+    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "num_hidden_layers",
+})  # fmt: skip
+EAGLE3_INERT = frozenset({
+    "architectures", "model_type", "auto_map", "speculators_model_type", "speculators_version", "embed_requires_grad",
+    "max_position_embeddings", "initializer_range", "tie_word_embeddings", "use_cache", "attention_dropout",
+    "pretraining_tp", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
+    "pad_token_id", "enable_sp_ulysses", "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+    "use_aux_hidden_state",  # false is refused below
+})  # fmt: skip
+# inert only at these values (another value changes the drafts, and headstart does not build it)
+EAGLE3_INERT_AT = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
+                   "sliding_window": (None,), "use_sliding_window": (False, None)}  # fmt: skip
+EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "norm_before_fc"})
+
+
+def _generic_keys() -> frozenset[str]:
+    """The keys every Hugging Face config writes (`PretrainedConfig().to_dict()`): inert for a head."""
+    from transformers import PretrainedConfig
+
+    return frozenset(PretrainedConfig().to_dict())
+
+
+def check_eagle3_keys(config: dict, layout: str, where: Path) -> None:
+    """Refuse, in one line naming it, a key of an EAGLE-3 config that headstart neither uses nor knows to be
+    inert, or an inert key at a value that would change the drafts."""
+    generic = _generic_keys()
+    sections = [("", config)]
+    if layout == "eagle3-speculators":
+        sections.append(("transformer_layer_config.", config.get("transformer_layer_config") or {}))
+    for prefix, section in sections:
+        for key, value in section.items():
+            if key in EAGLE3_INERT_AT and value not in EAGLE3_INERT_AT[key]:
+                raise PublishedHeadsError(f"{where / 'config.json'}: {prefix}{key} = {value!r} changes the drafts in a "
+                                          "way headstart does not build")  # fmt: skip
+            if key not in EAGLE3_USED | EAGLE3_INERT | EAGLE3_INERT_AT.keys() and key not in generic:
+                raise PublishedHeadsError(f"{where / 'config.json'}: unknown EAGLE-3 key '{prefix}{key}' (it might "
+                                          "change the drafts: refused rather than ignored)")  # fmt: skip
+    if (
+        config.get("use_aux_hidden_state", True) is False
+        or (config.get("eagle_config") or {}).get("use_aux_hidden_state", True) is False
+    ):
+        raise PublishedHeadsError(
+            f"{where / 'config.json'}: use_aux_hidden_state false (no fused layers) is not EAGLE-3"
+        )
+    for key in config.get("eagle_config") or {}:
+        if key not in EAGLE_CONFIG_KEYS:
+            raise PublishedHeadsError(f"{where / 'config.json'}: unknown EAGLE-3 key 'eagle_config.{key}' (refused "
+                                      "rather than ignored)")  # fmt: skip
+    layer_types = _layer_config(config, layout).get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise PublishedHeadsError(f"{where / 'config.json'}: draft layers of types {layer_types}: headstart builds "
+                                  "full-attention draft layers only")  # fmt: skip
+
+
+def _eagle3_tensor(name: str, first: str) -> str | None:
+    """headstart's name of a published EAGLE-3 tensor, or None when it is no tensor of the head."""
+    if name.startswith(first):
+        return "midlayer." + name.removeprefix(first)
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and int(m[1]) >= 1:
+        return f"extra_layers.{int(m[1]) - 1}.{m[2]}"
+    if name in ("fc.weight", "norm.weight", "lm_head.weight", "input_norm.weight") or re.fullmatch(
+        r"fc_norm\.\d+\.weight", name
+    ):
+        return name
+    return None
+
+
 def _eagle3(directory: Path, config: dict, tensors: dict[str, torch.Tensor], layout: str) -> Published:
-    prefix = "layers.0." if layout == "eagle3-speculators" else "midlayer."
+    check_eagle3_keys(config, layout, directory)
+    first = "midlayer." if any(n.startswith("midlayer.") for n in tensors) else "layers.0."
     weights, embed = {}, tensors.get("embed_tokens.weight")
     for name, t in tensors.items():
-        if name.startswith(prefix):
-            weights["midlayer." + name.removeprefix(prefix)] = t
-        elif name in ("fc.weight", "norm.weight", "lm_head.weight"):
-            weights[name] = t
+        ours = _eagle3_tensor(name, first)
+        if ours is not None:
+            weights[ours] = t
         elif name not in ("d2t", "t2d", "embed_tokens.weight"):
             raise PublishedHeadsError(f"{directory} holds '{name}', which an EAGLE-3 head ({layout}) does not have")
     for name in ("fc.weight", "norm.weight", "lm_head.weight"):
@@ -260,8 +334,9 @@ def _eagle3(directory: Path, config: dict, tensors: dict[str, torch.Tensor], lay
         options["draft_vocab"] = rows
     else:
         vocab_size = rows  # no d2t: the draft vocabulary is the target's whole vocabulary, in order
+    eagle_config = config.get("eagle_config") or {}
     layers = config.get("eagle_aux_hidden_state_layer_ids")  # vLLM's reading: the input of layer k = HF index k
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    nested = eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if layers:
         options["layers"] = [int(k) for k in layers]
     elif nested and layout == "eagle3-specforge":  # SGLang's reading: the output of layer k = HF index k + 1
@@ -269,6 +344,23 @@ def _eagle3(directory: Path, config: dict, tensors: dict[str, torch.Tensor], lay
     # speculators' layers default to the residual (true); the other layouts have no such choice (false)
     if config.get("norm_before_residual", layout == "eagle3-speculators"):
         options["norm_before_residual"] = True
+    for flag in ("fc_norm", "norm_before_fc", "norm_output"):
+        if config.get(flag, eagle_config.get(flag, False)):
+            options[flag] = True
+    for flag, tensor in (("fc_norm", "fc_norm.0.weight"), ("norm_before_fc", "input_norm.weight")):
+        if bool(options.get(flag)) != (tensor in weights):
+            said_so = "says" if options.get(flag) else "does not say"
+            raise PublishedHeadsError(f"{directory}: its config {said_so} {flag}, its weights "
+                                      f"{'lack' if options.get(flag) else 'hold'} {tensor}")  # fmt: skip
+    extra = {int(n.split(".")[1]) for n in weights if n.startswith("extra_layers.")}
+    if extra != set(range(len(extra))):
+        raise PublishedHeadsError(f"{directory}: draft layers numbered {sorted(extra)} after layer 0, not 1..n")
+    said_layers = _layer_config(config, layout).get("num_hidden_layers", 1)
+    if said_layers != 1 + len(extra):
+        raise PublishedHeadsError(f"{directory / 'config.json'} says {said_layers} draft layers; its weights hold "
+                                  f"{1 + len(extra)}")  # fmt: skip
+    if extra:
+        options["num_layers"] = 1 + len(extra)
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     return Published(layout, "eagle3", options, weights, embed=embed, base_model=verifier, vocab_size=vocab_size,
                      layer=_layer_config(config, layout))  # fmt: skip
@@ -324,11 +416,15 @@ def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "
     if published.kind == "eagle" and tuple(w["fc.weight"].shape) != (hidden, 2 * hidden):
         refuse("hidden size", w["fc.weight"].shape[0], hidden)
     if published.kind == "eagle3":
-        if tuple(w["fc.weight"].shape) != (hidden, 3 * hidden):
-            refuse("fc of shape", tuple(w["fc.weight"].shape), f"(hidden {hidden}, 3 x hidden {3 * hidden})")
+        fused = w["fc.weight"].shape[1] // hidden if w["fc.weight"].shape[0] == hidden else 0
+        if fused < 2 or tuple(w["fc.weight"].shape) != (hidden, fused * hidden):
+            refuse("fc of shape", tuple(w["fc.weight"].shape), f"(hidden {hidden}, k x hidden)")
+        if "layers" not in options and fused != 3:
+            raise PublishedHeadsError(f"{name} fuse {fused} target layers and their config does not say which "
+                                      "(eagle_aux_hidden_state_layer_ids): refused rather than guessed")  # fmt: skip
         layers = options.get("layers") or list(engine_feature_layers(n_layers))
-        if not all(1 <= k <= n_layers for k in layers) or len(layers) != 3:
-            refuse("fused layers", layers, f"{n_layers} layers")
+        if not all(1 <= k <= n_layers for k in layers) or len(layers) != fused:
+            refuse(f"{fused} fused layers", layers, f"{n_layers} layers")
         options["layers"] = layers
         overrides = _layer_overrides(published.layer, cfg)
         if overrides:

@@ -23,7 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 }
 COMMANDS = {  # headstart subcommands that need an extra
     "serve": "serve", "loadtest": "serve", "bench": "bench", "check": "bench",
-    "distill": "train", "drift": "train", "report": "train",
+    "distill": "train", "drift": "train", "report": "train", "score": "train",
 }  # fmt: skip
 
 

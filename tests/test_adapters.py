@@ -12,7 +12,8 @@ from peft import IA3Config, LoraConfig, get_peft_model
 from transformers import LlamaConfig
 
 from headstart.cli import main as cli
-from headstart.heads.checkpoint import HeadsMismatchError, load_heads, save_heads, target_fingerprint
+from headstart.heads.checkpoint import HeadsMismatchError, save_heads, target_fingerprint
+from headstart.heads.load import load_heads
 from headstart.runtime.adapters import adapter_sha
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.models import load_model

@@ -7,46 +7,21 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from headstart.cli import main as cli
 from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
 from headstart.heads.eagle3 import engine_feature_layers, feature_layers
 from headstart.heads.export import export_heads
+from headstart.heads.kinds import EAGLE3_VARIANT
+from helpers.eagle3_reference import ReferenceEagle3
 from helpers.exactness import assert_identity_with_trained_heads, random_heads
 from helpers.models import tiny_llama
 
 
-def rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def engines_forward(state: dict, cfg: dict, fused, embeds):
-    """../shared/ENGINES.md's forward in plain torch (causal, positions 0..T-1): the layout both engines run."""
-    eps, n, kv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    g = lambda k: state[f"midlayer.{k}.weight"]  # noqa: E731
-    u = fused @ state["fc.weight"].T
-    x = torch.cat([rms(embeds, g("input_layernorm"), eps), rms(u, g("hidden_norm"), eps)], -1)
-    T = x.shape[0]
-    q, k, v = (x @ g(f"self_attn.{p}_proj").T for p in "qkv")
-    q, k, v = q.view(T, n, d), k.view(T, kv, d), v.view(T, kv, d)
-    inv = 1.0 / cfg["rope_parameters"]["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
-    ang = torch.arange(T).float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-    rot = lambda t: t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin  # noqa: E731
-    q, k = rot(q), rot(k)
-    k, v = k.repeat_interleave(n // kv, 1), v.repeat_interleave(n // kv, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, n * d)
-    s = u + attn @ g("self_attn.o_proj").T
-    h = rms(s, g("post_attention_layernorm"), eps)
-    y = s + (F.silu(h @ g("mlp.gate_proj").T) * (h @ g("mlp.up_proj").T)) @ g("mlp.down_proj").T
-    return y, rms(y, state["norm.weight"], eps) @ state["lm_head.weight"].T
-
-
 def test_the_head_computes_the_engines_forward():
+    """../shared/ENGINES.md's forward, written out in tests/helpers/eagle3_reference.py (causal, positions
+    0..T-1): the layout both engines run."""
     model = tiny_llama(vocab_size=64, layers=8)
     head = random_heads("eagle3", model, 0.2, draft_vocab=16)
     assert head.feature_layers == engine_feature_layers(8) == (2, 4, 5)
@@ -55,16 +30,61 @@ def test_the_head_computes_the_engines_forward():
     with torch.no_grad():
         y = head(fused[None], embeds[None], torch.arange(T)[None])[0]
         logits = head.logits(y)
-    ref_y, ref_logits = engines_forward(head.state_dict(), head.layer_config(), fused, embeds)
-    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    ref_y, ref_logits = ReferenceEagle3(head).commit(fused, embeds)
+    torch.testing.assert_close(y, ref_y.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits.float(), rtol=1e-4, atol=1e-5)
+
+
+VARIANTS = {
+    "fc_norm": {"fc_norm": True},
+    "norm_before_fc": {"norm_before_fc": True},
+    "norm_output": {"norm_output": True},
+    "five_layers_fused": {"layers": [1, 2, 4, 6, 7]},
+    "two_draft_layers": {"num_layers": 2},
+    "eagle_3.1": {"fc_norm": True, "norm_output": True, "norm_before_residual": True, "num_layers": 3},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_variant_drafts_what_its_definition_computes(variant):
+    """Prefix commit, then two drafting steps on the head's own outputs through its KV cache, as the drafter runs
+    it: the head's draft logits equal the variant's definition computed from its weights in float64."""
+    from transformers import DynamicCache
+
+    model = tiny_llama(vocab_size=64, layers=8)
+    head = random_heads("eagle3", model, 0.2, draft_vocab=16, **VARIANTS[variant]).double()
+    k, T, H = len(head.feature_layers), 5, model.config.hidden_size
+    fused, embeds = torch.randn(T, k * H, dtype=torch.float64), torch.randn(T + 2, H, dtype=torch.float64)
+    ref = ReferenceEagle3(head)
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = head(fused[None], embeds[None, :T], torch.arange(T)[None], cache=cache)[0]
+        ref_out, ref_logits = ref.commit(fused, embeds[:T])
+        torch.testing.assert_close(head.logits(out), ref_logits)
+        torch.testing.assert_close(head.readout()(out), ref_logits)  # what drafting reads out
+        previous, ref_previous = out[-1], ref_out[-1]
+        for step in range(2):  # the head's own output, the drafted token's embedding, the next position
+            mine = head(previous[None, None], embeds[None, T + step, None], torch.tensor([[T + step]]), cache=cache)
+            theirs, ref_logits = ref.step(ref_previous, embeds[T + step], T + step)
+            torch.testing.assert_close(head.logits(mine[0]), ref_logits)
+            previous, ref_previous = mine[0, -1], theirs[-1]
+    assert head.variant() == {**EAGLE3_VARIANT, **{k: v for k, v in VARIANTS[variant].items() if k != "layers"}}
+
+
+def test_variants_that_contradict_each_other_are_refused():
+    with pytest.raises(ValueError, match="fc_norm and norm_before_fc are exclusive"):
+        build_heads("eagle3", tiny_llama(), fc_norm=True, norm_before_fc=True)
+    with pytest.raises(ValueError, match="at least one draft layer"):
+        build_heads("eagle3", tiny_llama(), num_layers=0)
 
 
 def test_feature_layers_of_shallow_targets_stay_inside_the_model():
     assert feature_layers(30) == (2, 15, 27)  # SmolLM2-135M
     assert feature_layers(2) == (1, 1, 2)  # test models: clamped into 1..N
-    with pytest.raises(ValueError, match=r"three target layers in 1\.\.2"):
+    with pytest.raises(ValueError, match=r"two or more target layers in 1\.\.2"):
         build_heads("eagle3", tiny_llama(), layers=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"two or more target layers"):
+        build_heads("eagle3", tiny_llama(), layers=[2])
     with pytest.raises(ValueError, match="larger than the target's 64"):
         build_heads("eagle3", tiny_llama(vocab_size=64), draft_vocab=65)
 

@@ -9,11 +9,11 @@ from headstart.heads.checkpoint import (
     HeadsConfig,
     HeadsMismatchError,
     build_heads,
-    load_heads,
     save_heads,
     target_fingerprint,
 )
 from headstart.heads.eagle import EagleHead
+from headstart.heads.load import load_heads
 from headstart.heads.medusa import MedusaHeads
 from helpers.models import tiny_llama
 

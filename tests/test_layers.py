@@ -5,6 +5,7 @@ runtime/  never imports train
 train/    may import heads and runtime
 headstart/ (cli.py and its subcommands, commands/), the composition root, is the only place outside train/ that
 imports train.
+No two files import each other, directly or around a loop (imports inside functions included).
 """
 
 from __future__ import annotations
@@ -74,3 +75,70 @@ def test_no_import_sets_environment_variables():
             "assert not changed, changed")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def module_name(path: Path) -> str:
+    """`heads/eagle3.py` -> headstart.heads.eagle3 (the installed namespace); a package's __init__ is the package."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    name = ".".join(parts if parts[0] == "headstart" else ("headstart", *parts))
+    return name.removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (at top level or inside functions; `from pkg import mod` is mod)."""
+    files = {module_name(p): p for part in FORBIDDEN for p in (ROOT / part).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            for imported in names:
+                while imported and imported not in files:  # `from mod import name`: the module
+                    imported = imported.rpartition(".")[0]
+                if imported and imported not in (name, "headstart"):
+                    found.add(imported)
+        graph[name] = found
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import loops of `graph`: its strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_loops():
+    assert cycles(import_graph()) == []
+
+
+def test_the_loop_finder_finds_a_loop_hidden_in_a_function():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -5,6 +5,7 @@ heads for another target are refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -12,8 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from headstart.cli import main as cli
-from headstart.heads.checkpoint import cut_draft_vocab, load_heads, read_checkpoint
+from headstart.heads.checkpoint import cut_draft_vocab, read_checkpoint
+from headstart.heads.eagle3 import engine_feature_layers
 from headstart.heads.export import export_heads
+from headstart.heads.load import load_heads
 from headstart.heads.published import PublishedHeadsError, convert_heads, detect_layout
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.models import load_model
@@ -22,11 +25,12 @@ from helpers.models import tiny_llama, tiny_tokenizer
 from helpers.published import write_published
 
 VOCAB = 64
+LAYERS = 8  # the engines' fused layers (2, 4, 5) exist
 
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_llama(vocab_size=VOCAB, layers=8).eval()  # 8 layers: the engines' fused layers (2, 4, 5) exist
+    return tiny_llama(vocab_size=VOCAB, layers=LAYERS).eval()
 
 
 def same_logits(native, loaded, kind: str, model) -> None:
@@ -39,7 +43,7 @@ def same_logits(native, loaded, kind: str, model) -> None:
             hidden = torch.randn(T, H)
             torch.testing.assert_close(loaded(hidden, lm_head), native(hidden, lm_head), rtol=1e-5, atol=1e-5)
             return
-        width = 3 * H if kind == "eagle3" else H
+        width = native.fc.in_features if kind == "eagle3" else H
         feats, embeds, pos = torch.randn(1, T, width), torch.randn(1, T, H), torch.arange(T)[None]
         a, b = native(feats, embeds, pos), loaded(feats, embeds, pos)
         ra, rb = native.readout(lm_head), loaded.readout(lm_head)  # (T, N) over each one's draft rows
@@ -59,6 +63,23 @@ CASES = [
     ("eagle3-specforge", {"draft_vocab": 16}, {"aux_ids": [2, 4, 5]}),
     ("eagle3-speculators", {"draft_vocab": 16, "norm_before_residual": True}, {}),
     ("eagle3-speculators", {"draft_vocab": 16, "layers": [1, 3, 7]}, {"aux_ids": [1, 3, 7]}),
+    ("eagle3-authors", {"draft_vocab": 16, "layers": [1, 6, 7]}, {"aux_ids": [1, 6, 7]}),
+    ("eagle3-specforge", {"draft_vocab": 16, "layers": [3, 5, 8]}, {"aux_ids": [3, 5, 8]}),
+    # the variants speculators 0.9 writes (EAGLE 3.1, gpt-oss style, DeepSpec's five fused layers, deeper drafts)
+    (
+        "eagle3-speculators",
+        {
+            "draft_vocab": 16,
+            "fc_norm": True,
+            "norm_output": True,
+            "norm_before_residual": True,
+            "layers": [1, 2, 4, 6, 7],
+            "num_layers": 2,
+        },
+        {"aux_ids": [1, 2, 4, 6, 7]},
+    ),
+    ("eagle3-speculators", {"draft_vocab": 16, "norm_before_fc": True}, {}),
+    ("eagle3-specforge", {"draft_vocab": 16, "fc_norm": True, "norm_output": True, "num_layers": 3}, {}),
 ]
 
 
@@ -74,6 +95,10 @@ def test_each_layout_loads_and_drafts_what_the_native_head_drafts(tmp_path, targ
         warnings.simplefilter("always")
         loaded, config = load_heads(src, target)
     assert config.kind == kind and config.vocab_order == "token_id"
+    if "layers" in options:  # the fused layers as each dialect numbers them, read back as Hugging Face's indices
+        assert loaded.feature_layers == tuple(options["layers"]) != engine_feature_layers(LAYERS)
+    if kind == "eagle3":
+        assert loaded.variant() == native.variant()
     same_logits(native, loaded, kind, target)
     said = " ".join(str(w.message) for w in caught)
     if layout == "medusa":  # the published config names the base model on the hub, and says 2 heads; the file is read
@@ -82,6 +107,41 @@ def test_each_layout_loads_and_drafts_what_the_native_head_drafts(tmp_path, targ
     out = convert_heads(src, tmp_path / "converted", target)
     again, _ = load_heads(out, target)
     same_logits(native, again, kind, target)
+
+
+@pytest.mark.parametrize(
+    ("edit", "refusal"),
+    [
+        ({"some_new_flag": True}, "unknown EAGLE-3 key 'some_new_flag'"),
+        (
+            {"transformer_layer_config": {"attention_chunk": 8}},
+            "unknown EAGLE-3 key 'transformer_layer_config.attention_chunk'",
+        ),
+        ({"transformer_layer_config": {"hidden_act": "gelu"}}, "transformer_layer_config.hidden_act = 'gelu' changes"),
+        ({"transformer_layer_config": {"attention_bias": True}}, "attention_bias = True changes"),
+        ({"fc_norm": True}, "says fc_norm, its weights lack fc_norm.0.weight"),
+        ({"transformers_version": "5.19.0", "torch_dtype": "bfloat16", "output_hidden_states": False}, None),
+    ],
+)
+def test_every_config_key_is_used_or_known_to_be_inert(tmp_path, target, edit, refusal):
+    """A key of a published EAGLE-3 config that headstart does not use and does not know to be inert is refused in
+    one line naming it, never silently ignored; generic Hugging Face keys are read as inert."""
+    native = random_heads("eagle3", target, 0.2, draft_vocab=16, norm_before_residual=True)
+    native.draft_vocab.copy_(torch.randperm(VOCAB)[:16])
+    src = write_published(native, target, "eagle3-speculators", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    for key, value in edit.items():
+        if isinstance(value, dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    if refusal is None:
+        same_logits(native, load_heads(src, target)[0], "eagle3", target)
+        return
+    with pytest.raises(PublishedHeadsError, match=re.escape(refusal)) as e:
+        load_heads(src, target)
+    assert "\n" not in str(e.value)
 
 
 def test_speculators_heads_without_the_key_put_the_norm_before_the_residual(tmp_path, target):

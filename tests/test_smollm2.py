@@ -84,7 +84,7 @@ def test_shipped_heads_rewritten_in_published_layouts(engine, prompts, tmp_path,
     prompts x 64 tokens, fp32). Medusa's tree comes from the prior there (no measured accuracies travel)."""
     import warnings
 
-    from headstart.heads.checkpoint import load_heads
+    from headstart.heads.load import load_heads
     from helpers.published import write_published
 
     prompts = prompts[:3]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from headstart.heads.checkpoint import load_heads
+from headstart.heads.load import load_heads
 from headstart.heads.losses import eagle_unroll, head_metrics, medusa_labels
 from headstart.heads.masks import unroll_mask
 from headstart.runtime.prompts import load_prompts
@@ -151,6 +151,49 @@ def test_training_reduces_loss_and_saves_heads(tmp_path, tiny_model_dir, kind):
     model, tok = load_model(str(tiny_model_dir))
     _, config = load_heads(tmp_path / "out" / "heads", model, tok)
     assert config.kind == kind and config.extra["steps"] == 12 and config.extra["metrics"] == metrics
+
+
+def test_a_heldout_folder_is_scored_never_trained_and_the_best_heads_are_kept(tmp_path, tiny_model_dir):
+    """data.heldout: its rows are the evaluation rows and their ids leave training even where a training source
+    holds them too; out/best keeps the heads of the best held-out acceptance; save_dtype sets the saved weights."""
+    data, heldout = tmp_path / "data", tmp_path / "heldout"
+    write_shards(data, n_rows=40)
+    rows = [json.loads(x) for x in (data / "shard-00000.jsonl").read_text().splitlines()]
+    heldout.mkdir()
+    (heldout / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:6]))  # ids 0..5
+    cfg = make_cfg(
+        tmp_path, tiny_model_dir, "medusa", **{"data.heldout": heldout, "save_dtype": "float32", "heads.kind": "medusa"}
+    )
+    seen = {}
+    original = train_heads.Trainer.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen["train"], seen["eval"] = {r.id for r in self.train_rows}, [r.id for r in self.eval_rows]
+        seen["index"] = sorted(r.index for r in self.train_rows + self.eval_rows)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_heads.Trainer, "__init__", spy)
+        train_heads.run(cfg)
+    assert seen["eval"] == [str(i) for i in range(6)]
+    assert seen["train"] == {str(i) for i in range(6, 40)}
+    assert seen["index"] == list(range(40))  # every row's index is its place: the feature cache's key
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    scored = [x["acceptance_length"] for x in lines if "acceptance_length" in x]
+    best = json.loads((tmp_path / "out" / "best" / "config.json").read_text())
+    assert best["metrics"]["acceptance_length"] == max(scored)
+    assert best["eval_rows"] == 6 and best["dtype"] == "float32"
+    assert load_file(tmp_path / "out" / "heads" / "model.safetensors")["blocks.0.linear.weight"].dtype == torch.float32
+
+
+def test_a_constant_schedule_holds_the_peak_after_warmup():
+    cfg = load_config(None, ["optim.warmup_steps=4", "optim.max_steps=100", "optim.schedule=constant"])
+    factor = train_heads.lr_lambda(cfg)
+    assert [factor(s) for s in (0, 3, 4, 50, 99)] == [0.25, 1.0, 1.0, 1.0, 1.0]
+    cfg = load_config(None, ["optim.warmup_steps=4", "optim.max_steps=100"])
+    assert train_heads.lr_lambda(cfg)(99) < 0.11  # the default decays to 10 %
+    with pytest.raises(ConfigError, match=r"optim\.schedule"):
+        train_heads.run(load_config(None, ["optim.schedule=linear", "output_dir=x", "data.path=y"]))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa2"])  # eagle: feature noise draws from the RNG; medusa2: its LoRA

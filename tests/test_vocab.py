@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
+from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
+from headstart.heads.load import load_heads
 from headstart.heads.vocab import DraftReadout, frequent_tokens
 from helpers.models import tiny_llama
 

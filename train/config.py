@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+HELDOUT_IDS = "configs/heldout-ids.txt"  # the committed held-out prompt list (train/heldout.py)
+
 
 @dataclass
 class TargetConfig:
@@ -49,6 +51,11 @@ class HeadsConfig:
     draft_vocab: int = 0  # read out only the N most frequent response tokens (heads/vocab.py); 0 = all
     init_from: str = ""  # a trained heads directory to start from (its vocabulary recomputed): new data, new schedule
     keep_vocab: bool = False  # with init_from: keep its draft vocabulary as trained instead (draft_vocab: its size)
+    fused_layers: list[int] = field(default_factory=list)  # eagle3: the target layers fused; [] = 2, N//2, N-3
+    fc_norm: bool = False  # eagle3: an RMSNorm per fused state before fc (EAGLE 3.1)
+    norm_before_fc: bool = False  # eagle3: one RMSNorm over the fused states before fc (gpt-oss style)
+    norm_output: bool = False  # eagle3: the next drafting step reads the normed output (EAGLE 3.1)
+    draft_layers: int = 1  # eagle3: decoder layers in the head
 
 
 @dataclass
@@ -60,7 +67,8 @@ class DataConfig:
     distill_max_new_tokens: int = 64
     engine: str = ""  # distill on this OpenAI-compatible server (vLLM, SGLang, headstart serve); "" = locally
     engine_concurrency: int = 16  # requests in flight on the engine
-    eval_rows: int = 64  # held-out rows (chosen by a hash of their tokens), never trained on
+    eval_rows: int = 64  # held-out rows (chosen by a hash of their tokens), never trained on; unused with `heldout`
+    heldout: str = ""  # distilled answers to the committed held-out prompts (train/heldout.py): scored, never trained
     max_len: int = 512  # tokens per row (prompt + response), longer rows are cut
     batch_tokens: int = 4096  # tokens per micro-batch, rows bucketed by length to waste little on padding
     features: str = ""  # cache the target's final features here once (train/features.py); "" = run it every step
@@ -73,6 +81,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 50
     max_steps: int = 2000
+    schedule: str = "cosine"  # after warmup: cosine (to 10 % of lr at max_steps) | constant (sessions that train on)
     grad_clip: float = 1.0
     grad_accum: int = 1
 
@@ -90,6 +99,7 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 200
     report_to: str = "none"  # wandb | tensorboard | none
+    save_dtype: str = "bfloat16"  # of the saved heads' weights (float32 keeps every bit)
     run_name: str = ""  # default: <kind>-<target>-<data>
 
 

@@ -2,7 +2,7 @@
 
     headstart distill --engine http://127.0.0.1:8000 --out runs/distill/smollm2 --permissive-only --concurrency 64
 
-The same shards, ids, filters and resumption as local distillation (`distill.Shards`). headstart renders the
+The same shards, ids, filters and resumption as local distillation (`shards.Shards`). headstart renders the
 chat template itself and sends the rendered prompt as token ids to `/v1/completions`, so the template is the
 one training reads; the answer's token ids are kept where the server returns them (`return_token_ids`: vLLM,
 headstart serve), else its text is tokenised (the text's own tokens, which can differ from the ids the model
@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from headstart.runtime.prompts import Prompt
 from headstart.runtime.tokens import cut_at_eos, eos_ids, prompt_ids
-from headstart.train.distill import Shards, row_seed
+from headstart.train.shards import Shards, row_seed
 
 PROBE = "Count from one to ten, separated by commas."
 PROBE_TOKENS = 6

@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from headstart.extras import MissingExtraError, require
-from headstart.heads.checkpoint import build_heads, load_heads, save_heads, target_fingerprint
+from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
 from headstart.heads.kinds import KINDS, Tools, get_kind
+from headstart.heads.load import load_heads
 from headstart.heads.vocab import DraftReadout, frequent_tokens
+from headstart.runtime import background
 from headstart.runtime.tokens import pad_id
 from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
@@ -62,13 +64,19 @@ def load_target(cfg: TrainConfig):
     return model, tokenizer
 
 
+SCHEDULES = ("cosine", "constant")
+
+
 def lr_lambda(cfg: TrainConfig):
-    """Linear warmup then cosine decay to 10 % of the peak, over max_steps optimizer steps."""
+    """Linear warmup, then cosine decay to 10 % of the peak over max_steps optimizer steps, or the peak held
+    (`constant`: a run that later sessions continue has no end to decay towards)."""
     warmup, total = cfg.optim.warmup_steps, cfg.optim.max_steps
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if cfg.optim.schedule == "constant":
+            return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -76,13 +84,22 @@ def lr_lambda(cfg: TrainConfig):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, accelerator, model, tokenizer, rows: list[Row]) -> None:
+    def __init__(
+        self, cfg: TrainConfig, accelerator, model, tokenizer, rows: list[Row], heldout: list[Row] | None = None
+    ) -> None:
         self.cfg = cfg
         self.acc = accelerator
         self.model = self.base = model.to(accelerator.device)  # Medusa-2: self.model becomes base + its LoRA
         self.tokenizer = tokenizer
         self.pad_id = pad_id(tokenizer)
-        self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
+        if heldout is None:
+            self.train_rows, self.eval_rows = split_rows(rows, cfg.data.eval_rows)
+        else:  # the committed held-out rows: their ids never train, whichever source holds them
+            scored = {row.id for row in heldout}
+            self.train_rows, self.eval_rows = [r for r in rows if r.id not in scored], heldout
+            rows = self.train_rows + heldout
+            for i, row in enumerate(rows):
+                row.index = i
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
         self.kind = get_kind(cfg.heads.kind)  # what the kind needs (heads/kinds.py)
@@ -271,6 +288,7 @@ class Trainer:
         bar = tqdm(total=cfg.optim.max_steps, initial=start, desc=f"train {cfg.heads.kind}",
                    disable=not acc.is_local_main_process, dynamic_ncols=True)  # fmt: skip
         metrics: dict[str, float] = {}
+        best = self.best_so_far(out / "best")  # the best held-out acceptance's heads are kept in out/best
         if start == 0 and cfg.heads.init_from and self.eval_rows:  # where the trained heads start, on this data
             self.log_metrics(0, self.evaluate())
         for step in range(start, cfg.optim.max_steps):
@@ -300,28 +318,44 @@ class Trainer:
             if self.eval_rows and (done % cfg.eval_every == 0 or done == cfg.optim.max_steps):
                 metrics = self.evaluate()
                 record.update(metrics)
+                if metrics.get("acceptance_length", 0.0) > best:
+                    best = metrics["acceptance_length"]
+                    self.save_heads(out / "best", done, metrics)
             if record:
                 self.log_metrics(done, record)
             if done % cfg.save_every == 0 or done == cfg.optim.max_steps:
                 self.save_checkpoint(done)
         bar.close()
-        if acc.is_main_process:
-            extra = {
-                "dtype": "bfloat16",
-                "training": config_to_dict(cfg),
-                "data_rows": len(self.train_rows),
-                "eval_rows": len(self.eval_rows),
-                "steps": cfg.optim.max_steps,
-                "metrics": metrics,
-                "rank_accuracy": self.rank_accuracy,
-            }
-            if self.started_from is not None:
-                extra["init_from"] = self.started_from
-            fp = target_fingerprint(self.base, self.tokenizer, name=cfg.target.model)
-            if self.kind.trains_target:  # the heads' target is base + this adapter, saved beside them
-                fp["adapter"] = save_adapter(self.model, out / "heads", cfg.target.model)
-            save_heads(out / "heads", self.heads, cfg.heads.kind, self.options, fp, extra)
+        self.save_heads(out / "heads", cfg.optim.max_steps, metrics)
         return metrics
+
+    def best_so_far(self, folder: Path) -> float:
+        """The held-out acceptance length of the heads kept in `folder` by this run (0 if none yet)."""
+        config = folder / "config.json"
+        if not config.is_file():
+            return 0.0
+        return json.loads(config.read_text()).get("metrics", {}).get("acceptance_length", 0.0)
+
+    def save_heads(self, folder: Path, steps: int, metrics: dict[str, float]) -> None:
+        """The heads as they are now, with what made them, into `folder` (main process)."""
+        cfg = self.cfg
+        if not self.acc.is_main_process:
+            return
+        extra = {
+            "dtype": cfg.save_dtype,
+            "training": config_to_dict(cfg),
+            "data_rows": len(self.train_rows),
+            "eval_rows": len(self.eval_rows),
+            "steps": steps,
+            "metrics": metrics,
+            "rank_accuracy": self.rank_accuracy,
+        }
+        if self.started_from is not None:
+            extra["init_from"] = self.started_from
+        fp = target_fingerprint(self.base, self.tokenizer, name=cfg.target.model)
+        if self.kind.trains_target:  # the heads' target is base + this adapter, saved beside them
+            fp["adapter"] = save_adapter(self.model, folder, cfg.target.model)
+        save_heads(folder, self.heads, cfg.heads.kind, self.options, fp, extra)
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -401,6 +435,10 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
             raise ConfigError(f"{key} is required (a folder; the configs in configs/ set it)")
     if cfg.heads.keep_vocab and not cfg.heads.init_from:
         raise ConfigError("heads.keep_vocab keeps the vocabulary of heads.init_from, which is not set")
+    if cfg.optim.schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.optim.schedule}'")
+    if cfg.save_dtype not in ("bfloat16", "float32", "float16"):
+        raise ConfigError(f"save_dtype must be bfloat16, float32 or float16, got '{cfg.save_dtype}'")
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
     if lora and cfg.data.features:
@@ -477,6 +515,7 @@ def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
         os.environ["WANDB_MODE"] = "offline"
         print("headstart: no WANDB_API_KEY: W&B logs offline (sync later with `wandb sync`)", file=sys.stderr)
     accelerator = make_accelerator(cfg, log_with, out)
+    background.register(f"train {cfg.heads.kind} -> {cfg.output_dir}")  # benchmarks stop it while they measure
     if KINDS[cfg.heads.kind].trains_target and fsdp_launch(accelerator):
         raise ConfigError(f"heads.kind: {cfg.heads.kind} trains a LoRA inside the target, which an FSDP launch would "
                           "shard; launch it with configs/accelerate/ddp.yaml or deepspeed_zero2.yaml")  # fmt: skip
@@ -486,7 +525,11 @@ def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
     folders = [cfg.data.path, *cfg.data.sources]
     check_sources(folders, model, tokenizer)
     rows = load_rows(folders, cfg.data.max_len)
-    trainer = Trainer(cfg, accelerator, model, tokenizer, rows)
+    heldout = None
+    if cfg.data.heldout:
+        check_sources([cfg.data.heldout], model, tokenizer)
+        heldout = load_rows(cfg.data.heldout, cfg.data.max_len)
+    trainer = Trainer(cfg, accelerator, model, tokenizer, rows, heldout)
     if accelerator.is_main_process:
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     if log_with:

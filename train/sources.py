@@ -25,6 +25,7 @@ from pathlib import Path
 
 from headstart.heads.checkpoint import target_fingerprint
 from headstart.runtime.prompts import Prompt, load_prompts
+from headstart.train.shards import shard_rows
 
 MANIFEST = "manifest.json"
 TARGET_KEYS = ("architecture", "vocab_size", "hidden_size", "num_layers", "lm_head_sha", "tokenizer_sha", "adapter")
@@ -120,9 +121,13 @@ def check_sources(folders: list[str], model, tokenizer) -> None:
 
 def answered_ids(folders: list[str]) -> frozenset[str]:
     """Ids of the rows in these folders' shards (a last line cut by a kill is ignored)."""
-    from headstart.train.distill import shard_rows
-
     return frozenset(row["id"] for folder in folders for row in shard_rows(folder))
+
+
+def read_ids(path: str | Path) -> list[str]:
+    """Prompt ids from a text file, one a line (a line starting with `#` is a comment; ids may hold `#`)."""
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def _normal(text: str) -> str:
@@ -132,9 +137,13 @@ def _normal(text: str) -> str:
 def held_out(prompts: list[Prompt], files: list[str | Path]) -> tuple[list[Prompt], int]:
     """`prompts` without those of `files` (tuning and evaluation prompts): the same source and id as the file
     gives them (ids repeat across sources), the same id (derived prompts), or the same text up to case and
-    whitespace. Returns (kept, how many were dropped)."""
+    whitespace. A `.txt` file lists prompt ids (the committed held-out list). Returns (kept, how many were
+    dropped)."""
     ids, origins, texts = set(), set(), set()
     for f in files:
+        if str(f).endswith(".txt"):
+            ids.update(read_ids(f))
+            continue
         for p in load_prompts(f, skip_malformed=True):
             ids.add(p.id)
             origins.add(p.origin)

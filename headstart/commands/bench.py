@@ -83,7 +83,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     import torch
 
-    from headstart.runtime import bench
+    from headstart.runtime import background, bench
     from headstart.runtime.calibrate import cpu_name
     from headstart.runtime.engine import Engine
 
@@ -111,10 +111,29 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
         raise common.UserError(f"--heads {unused[0]}=...: no method in --methods runs heads of its kind")
     options["labelled_heads"] = labelled
     bench.method_options(methods, options)  # every method and option checked before the model loads
-    engine = Engine.load(args.model, args.dtype, "none", args.device, args.profile, args.adapter, not args.no_merge,
-                         not args.no_prepack)  # fmt: skip
-    records = bench.run_bench(engine, prompts, methods, temperatures, args.max_new_tokens, args.limit_per_category,
-                              categories, args.seed, args.breakdown, **options)  # fmt: skip
+    with background.paused():  # the load times the kernels and the tree's cost curve: measure alone too
+        engine = Engine.load(
+            args.model,
+            args.dtype,
+            "none",
+            args.device,
+            args.profile,
+            args.adapter,
+            not args.no_merge,
+            not args.no_prepack,
+        )
+        records = bench.run_bench(
+            engine,
+            prompts,
+            methods,
+            temperatures,
+            args.max_new_tokens,
+            args.limit_per_category,
+            categories,
+            args.seed,
+            args.breakdown,
+            **options,
+        )
     table = bench.summarize(records)
     packed, grouped = engine.target.packed, "grouped-query" if engine.target.grouped else "stock"
     device, dtype = engine.target.device, str(engine.target.dtype).removeprefix("torch.")

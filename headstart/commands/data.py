@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 from headstart.commands import common
+from headstart.runtime import background
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
 from headstart.runtime.prompts import load_prompts
+from headstart.train.config import HELDOUT_IDS
 from headstart.train.distill import BACKENDS, DERIVED
 
 
@@ -23,6 +25,9 @@ def add_parsers(sub) -> None:
     ds.add_argument("--derive", default=None, choices=tuple(DERIVED),
                     help="instead of --prompts: prompts of this task over the answers already in --out")  # fmt: skip
     ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
+    ds.add_argument("--only", default=None, metavar="FILE",
+                    help="answer only the prompts whose ids this file lists, one a line (e.g. the held-out list, "
+                    f"{HELDOUT_IDS}, into a folder of its own); the default --exclude then leaves them in")  # fmt: skip
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
     ds.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
@@ -69,13 +74,14 @@ def add_parsers(sub) -> None:
     r.set_defaults(run=cmd_report)
 
 
-HELD_OUT = ("configs/tune-prompts.jsonl", "configs/tune-derived.jsonl", common.SPEC_BENCH)  # never distilled
+# never distilled into training folders: tuning prompts, Spec-Bench, the committed held-out list (train/heldout.py)
+HELD_OUT = ("configs/tune-prompts.jsonl", "configs/tune-derived.jsonl", common.SPEC_BENCH, HELDOUT_IDS)
 
 
 def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.runtime.models import load_model
     from headstart.train.distill import compare_backends, derived_prompts, distill
-    from headstart.train.sources import answered_ids, file_sha, held_out
+    from headstart.train.sources import answered_ids, file_sha, held_out, read_ids
 
     common.check_lengths(args)
     common.sampling_params(args.temperature)
@@ -86,15 +92,29 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
     for folder in args.also:
         if not Path(folder).is_dir():
             raise common.UserError(f"--also {folder}: no such folder")
-    exclude = args.exclude if args.exclude is not None else [f for f in HELD_OUT if Path(f).is_file()]
+    default_exclude = [f for f in HELD_OUT if Path(f).is_file() and f != args.only]
+    exclude = args.exclude if args.exclude is not None else default_exclude
+    if args.only is not None and not Path(args.only).is_file():
+        raise common.UserError(f"--only {args.only}: no such file")
     for f in exclude:
         if not Path(f).is_file():
             raise common.UserError(f"--exclude {f}: no such file")
     if args.derive is None:
         prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
                                skip_malformed=True)  # fmt: skip
-        source = {"prompts": args.prompts, "prompts_sha": file_sha(args.prompts),
-                  "filter": {"permissive_only": args.permissive_only, "limit": args.limit}}  # fmt: skip
+        if args.only is not None:
+            wanted = set(read_ids(args.only))
+            prompts = [p for p in prompts if p.id in wanted]
+            if len(prompts) < len(wanted):
+                print(
+                    f"headstart: warning: {len(wanted) - len(prompts)} id(s) of {args.only} not among the prompts",
+                    file=sys.stderr,
+                )
+        source = {
+            "prompts": args.prompts,
+            "prompts_sha": file_sha(args.prompts),
+            "filter": {"permissive_only": args.permissive_only, "limit": args.limit, "only": args.only},
+        }
     model, tokenizer = load_model(args.model, args.dtype, args.device, args.adapter, not args.no_merge)
     if args.derive is not None:
         prompts = derived_prompts(args.derive, args.out, tokenizer, args.limit or 1000)
@@ -116,6 +136,7 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
                                     check_model=not args.no_model_check,
                                     api_key=common.given_api_key(args))  # fmt: skip
     else:
+        background.register(f"distill -> {args.out}")  # benchmarks stop it while they measure
         stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
                         seed=args.seed, backend=args.backend, skip_ids=answered_ids(args.also),
                         prepack=not args.no_prepack, source=source)  # fmt: skip

@@ -1,4 +1,4 @@
-"""`headstart export`, `convert` and `calibrate`: heads to and from other layouts, and their accuracies."""
+"""`headstart export`, `convert`, `calibrate` and `score`: heads to and from other layouts, and their accuracies."""
 
 from __future__ import annotations
 
@@ -41,6 +41,18 @@ def add_parsers(sub) -> None:
     cb.add_argument("--max-new-tokens", type=common.at_least_one, default=128)
     cb.set_defaults(run=cmd_calibrate)
 
+    sc = sub.add_parser("score", help="heads' held-out acceptance on distilled rows (the training ledger's measure)")
+    sc.add_argument("heads", nargs="+", help="headstart heads directories, scored on the same rows")
+    sc.add_argument(
+        "--rows",
+        required=True,
+        help="a distilled folder (e.g. the committed held-out prompts' answers, configs/heldout-ids.txt)",
+    )
+    common.add_model_args(sc, "bfloat16")
+    sc.add_argument("--depths", type=common.at_least_one, default=4, help="drafting depths scored (training's 4)")
+    sc.add_argument("--max-len", type=common.at_least_one, default=512, help="tokens per row, as training cuts them")
+    sc.set_defaults(run=cmd_score)
+
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.heads.export import export_heads
@@ -65,8 +77,9 @@ def cmd_convert(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     from tqdm import tqdm
 
-    from headstart.heads.checkpoint import HeadsConfig, load_heads, save_config
+    from headstart.heads.checkpoint import HeadsConfig, save_config
     from headstart.heads.kinds import get_kind
+    from headstart.heads.load import load_heads
     from headstart.heads.published import detect_layout
     from headstart.runtime.drafters.options import EagleOptions
     from headstart.runtime.engine import Engine
@@ -98,4 +111,30 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
                                                 extra={**config.extra, "calibrated_on": calibrated}))  # fmt: skip
     print(f"acceptance length {metrics['acceptance_length']:.2f}; top-1 per depth "
           + ", ".join(f"{a[0]:.3f}" for a in accuracy))  # fmt: skip
+    return 0
+
+
+def cmd_score(args: argparse.Namespace, argv: list[str]) -> int:
+    import hashlib
+
+    from headstart.heads.checkpoint import HeadsConfig
+    from headstart.heads.load import load_heads
+    from headstart.runtime.models import load_model
+    from headstart.runtime.tokens import pad_id
+    from headstart.train.data import load_rows
+    from headstart.train.evaluate import measure
+
+    if not any(Path(args.rows).glob("shard-*.jsonl")):
+        raise common.UserError(f"--rows {args.rows}: no distilled shards (shard-*.jsonl) there")
+    configs = [HeadsConfig.read(h) for h in args.heads]
+    model, tokenizer = load_model(args.model, args.dtype, args.device)
+    rows = load_rows(args.rows, args.max_len)
+    print("| heads | model.safetensors sha256 | rows | acceptance length | top-1 per depth |")
+    print("| --- | --- | ---: | ---: | --- |")
+    for path, config in zip(args.heads, configs, strict=True):
+        heads, _ = load_heads(path, model, tokenizer)
+        metrics, accuracy = measure(config.kind, heads.float(), model, rows, args.depths, pad_id(tokenizer))
+        sha = hashlib.sha256((Path(path) / "model.safetensors").read_bytes()).hexdigest()[:12]
+        top1 = " / ".join(f"{a[0]:.3f}" for a in accuracy)
+        print(f"| {path} | {sha} | {len(rows)} | {metrics['acceptance_length']:.3f} | {top1} |", flush=True)
     return 0

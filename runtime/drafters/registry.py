@@ -91,8 +91,8 @@ def heads_adapter(spec: str | DrafterSpec, model_name: str | None, heads: str | 
 
 def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
     """(module, config) of the heads `options.heads`, else of those shipped for `ctx.model_name`."""
-    from headstart.heads.checkpoint import load_heads
     from headstart.heads.kinds import get_kind
+    from headstart.heads.load import load_heads
 
     heads = heads_dir(kind, options.heads, ctx.model_name)
     if heads is None or ctx.model is None:

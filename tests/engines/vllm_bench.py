@@ -67,6 +67,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from headstart.commands.common import TEST_PROMPTS
+    from headstart.runtime import background
     from headstart.runtime.bench import replace_section
     from headstart.runtime.prompts import load_prompts
     from headstart.runtime.tokens import prompt_ids
@@ -92,9 +93,10 @@ def main() -> int:
             runs[label] = {"tok/s": sum(len(t) for t in got["token_ids"]) / got["seconds"], "acceptance length": tau}
         return runs
 
-    before = vllm_runs("before")
-    ours = headstart_side(heads, ids, args.max_tokens)
-    after = vllm_runs("after")
+    with background.paused():  # registered training or distillation runs stop while both sides measure
+        before = vllm_runs("before")
+        ours = headstart_side(heads, ids, args.max_tokens)
+        after = vllm_runs("after")
     rows: dict[str, dict] = {}
     for label, _ in vllm_systems:
         pair = (before[label]["tok/s"], after[label]["tok/s"])

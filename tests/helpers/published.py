@@ -23,6 +23,16 @@ def _llama(model, **extra) -> dict:
     }  # fmt: skip
 
 
+def _eagle3_name(name: str, first: str) -> str:
+    """A headstart EAGLE-3 tensor's published name: the first layer under `first`, further layers `layers.{i}`."""
+    if name.startswith("midlayer."):
+        return first + name.removeprefix("midlayer.")
+    if name.startswith("extra_layers."):
+        index, rest = name.removeprefix("extra_layers.").split(".", 1)
+        return f"layers.{int(index) + 1}.{rest}"
+    return name
+
+
 def write_published(
     heads: torch.nn.Module,
     model,
@@ -69,9 +79,7 @@ def write_published(
     else:
         prefix = "layers.0." if layout == "eagle3-speculators" else "midlayer."
         ids = state.pop("draft_vocab", None)
-        tensors = {
-            (prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v for k, v in state.items()
-        }
+        tensors = {_eagle3_name(k, prefix): v for k, v in state.items()}
         if ids is not None and d2t:
             order = torch.argsort(ids)  # published draft vocabularies are ordered by token id
             ids, tensors["lm_head.weight"] = ids[order], tensors["lm_head.weight"][order]
@@ -81,12 +89,18 @@ def write_published(
             tensors["t2d"] = t2d
         elif ids is not None:
             raise ValueError("a head with a reduced draft vocabulary needs d2t")
-        layer = _llama(model, draft_vocab_size=tensors["lm_head.weight"].shape[0])
+        variant = heads.variant()
+        layer = _llama(
+            model, draft_vocab_size=tensors["lm_head.weight"].shape[0], num_hidden_layers=variant["num_layers"]
+        )
+        flags = {k: variant[k] for k in ("fc_norm", "norm_before_fc", "norm_output") if variant[k]}
         if layout == "eagle3-authors":
             tensors["embed_tokens.weight"] = embed
-            config = layer
+            config = {**layer, **flags}
+            if aux_ids is not None:  # vLLM's numbering: the input of layer k (Hugging Face's hidden state k)
+                config["eagle_aux_hidden_state_layer_ids"] = aux_ids
         elif layout == "eagle3-specforge":
-            config = {**layer, "architectures": ["LlamaForCausalLMEagle3"]}
+            config = {**layer, **flags, "architectures": ["LlamaForCausalLMEagle3"]}
             if aux_ids is not None:  # SGLang's numbering: the output of layer k (Hugging Face's hidden state k + 1)
                 config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in aux_ids]}
         else:
@@ -96,7 +110,7 @@ def write_published(
                 "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
                 "target_hidden_size": model.config.hidden_size,
                 "norm_before_residual": heads.midlayer.norm_before_residual,
-                "eagle_aux_hidden_state_layer_ids": aux_ids,
+                "eagle_aux_hidden_state_layer_ids": aux_ids, **flags,
             }  # fmt: skip
         name = "pytorch_model.bin" if pickle else "model.safetensors"
     tensors = {k: v.contiguous() for k, v in tensors.items()}
