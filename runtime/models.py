@@ -163,6 +163,7 @@ def load_model(
         from headstart.runtime.adapters import apply_adapter
 
         model = apply_adapter(model, adapter, merge=merge_adapter)
+    model.config.name_or_path = name  # as the user named it: fingerprints and manifests name no cache path
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
 

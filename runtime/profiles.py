@@ -9,6 +9,7 @@ docs/tuning.md.
 from __future__ import annotations
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what other tools call it (an export's verifier)
 
 PROFILES: dict[str, dict[str, dict[str, int | float]]] = {
     "neutral": {},

@@ -4,6 +4,7 @@ heads, and the export to the layout vLLM and SGLang load (its training-time test
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,12 @@ def test_feature_layers_of_shallow_targets_stay_inside_the_model():
         build_heads("eagle3", tiny_llama(vocab_size=64), draft_vocab=65)
 
 
+def test_greedy_identity_with_trained_variant_heads(tmp_path, tiny_model_dir):
+    """An EAGLE 3.1 head with two draft layers (their own KV cache entries: commit, draft, crop) decodes exactly."""
+    variant = {"heads.fc_norm": True, "heads.norm_output": True, "heads.draft_layers": 2, "heads.draft_vocab": 24}
+    assert_identity_with_trained_heads(tmp_path, tiny_model_dir, "eagle3", [{}, {"depth": 3, "top_k": 2}], **variant)
+
+
 def test_greedy_identity_with_trained_heads(tmp_path, tiny_model_dir):
     trees = [{}, {"depth": 3, "top_k": 1, "budget": 3}, {"draft_vocab": 12}]
     assert_identity_with_trained_heads(
@@ -119,7 +126,9 @@ def test_export_writes_the_engines_layout(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert (config["num_hidden_layers"], config["vocab_size"], config["draft_vocab_size"]) == (1, 64, 16)
-    assert "eagle_aux_hidden_state_layer_ids" not in config  # the engines' own default: (2, N//2, N-3)
+    # the fused layers always named (here the engines' own default, 2, N//2, N-3), in each engine's numbering
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     weights = load_file(out / "model.safetensors")
     assert weights["fc.weight"].shape == (64, 3 * 64)
     assert weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # q/k/v read 2H
@@ -144,6 +153,30 @@ def test_export_speculators_format(tmp_path):
     weights = load_file(out / "model.safetensors")
     assert "layers.0.hidden_norm.weight" in weights and not any(k.startswith("midlayer.") for k in weights)
     assert "d2t" not in weights and "t2d" not in weights
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_the_export_names_the_target_by_what_it_is_and_no_path_of_this_machine(tmp_path, monkeypatch, capsys, fmt):
+    """The shipped head exported on the command line: the embedded model by its hub id, the fused layers written,
+    and no file naming the machine's folders (its model cache, the output folder, the home folder)."""
+    from headstart.heads.checkpoint import shipped_heads
+    from headstart.runtime.models import cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert cli(["export", str(shipped_heads("smollm2-135m-instruct", "eagle3")), "out", "--format", fmt]) == 0
+    capsys.readouterr()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    names = {"specforge": None, "speculators": config.get("speculators_config", {}).get("verifier", {})}
+    if fmt == "speculators":
+        assert names["speculators"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in readme and '"model": "out"' in readme
+    for path in (tmp_path / "out").iterdir():
+        if path.suffix in (".json", ".md"):
+            text = path.read_text()
+            for local in (str(tmp_path), str(cache_dir()), str(Path.home())):
+                assert local not in text, f"{path.name} names {local}"
 
 
 def test_export_refuses_in_one_line_and_leaves_nothing(tmp_path, capsys):
@@ -174,14 +207,13 @@ def test_export_refuses_in_one_line_and_leaves_nothing(tmp_path, capsys):
     refuse([good, tmp_path / "o"], "the draft vocabulary (16 tokens) is larger than the target's (8)")
 
 
-def test_other_fused_layers_are_named_in_each_engines_numbering(tmp_path):
+def test_fused_layers_are_named_in_each_engines_numbering(tmp_path):
     shallow, _ = saved_head(tmp_path / "s", model=tiny_llama(vocab_size=64))  # 2 layers: fuses (1, 1, 2)
     config = json.loads((export_heads(shallow, tmp_path / "sf") / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # vLLM: the input of layer k
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang: the output of layer k
     config = json.loads((export_heads(shallow, tmp_path / "sp", "speculators") / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]
-    eight, _ = saved_head(tmp_path / "e")  # 8 layers: the engines' own (2, 4, 5), not named
-    assert "eagle_aux_hidden_state_layer_ids" not in json.loads(
-        (export_heads(eight, tmp_path / "ef") / "config.json").read_text()
-    )
+    eight, _ = saved_head(tmp_path / "e")  # 8 layers: the engines' own (2, 4, 5), named all the same
+    config = json.loads((export_heads(eight, tmp_path / "ef") / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]

@@ -186,9 +186,21 @@ def test_greedy_identity_with_trained_heads_in_a_published_layout(tmp_path, tiny
         assert assert_greedy_identity(model, drafter, prompts).accepted > 0, f"no draft accepted with {spec}"
 
 
+TRAINED_VARIANTS = {
+    "plain": {},
+    "eagle_3.1": {"heads.fc_norm": True, "heads.norm_output": True, "heads.draft_layers": 2},
+    "gpt_oss": {"heads.norm_before_fc": True, "heads.fused_layers": [1, 2, 1, 2, 2]},
+}
+
+
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
-def test_export_import_export_keeps_every_tensor(tmp_path, tiny_model_dir, fmt):
-    heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "eagle3", steps=2, **{"heads.draft_vocab": 24})
+@pytest.mark.parametrize("variant", list(TRAINED_VARIANTS))
+def test_export_import_export_keeps_every_tensor(tmp_path, tiny_model_dir, fmt, variant):
+    """Heads trained with each variant's options, exported in each layout, read back as published heads: the same
+    tensors and the same variant."""
+    heads_dir = train_tiny_heads(
+        tmp_path, tiny_model_dir, "eagle3", steps=2, **{"heads.draft_vocab": 24, **TRAINED_VARIANTS[variant]}
+    )
     model, tokenizer = load_model(str(tiny_model_dir))
     first = export_heads(heads_dir, tmp_path / "first", fmt)
     with warnings.catch_warnings():
@@ -200,6 +212,13 @@ def test_export_import_export_keeps_every_tensor(tmp_path, tiny_model_dir, fmt):
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    native, _ = load_heads(heads_dir, model, tokenizer)
+    again, _ = load_heads(converted, model, tokenizer)
+    assert again.variant() == native.variant() and again.feature_layers == native.feature_layers
+    flags = {k[len("heads.") :]: v for k, v in TRAINED_VARIANTS[variant].items() if k != "heads.fused_layers"}
+    assert {
+        ("num_layers" if k == "draft_layers" else k): v for k, v in flags.items()
+    }.items() <= native.variant().items()
 
 
 def test_a_pickle_holding_more_than_tensors_is_refused(tmp_path, target):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from headstart.commands import common
 from headstart.runtime.models import DEFAULT_MODEL
+from headstart.runtime.profiles import EMBEDDED_HUB_ID
 from headstart.runtime.prompts import load_prompts
 
 
@@ -19,8 +20,8 @@ def add_parsers(sub) -> None:
                     help="specforge: the EAGLE-3 layout vLLM and SGLang load (default); speculators: vLLM's "
                     "self-describing twin (`vllm serve OUT`)")  # fmt: skip
     ex.add_argument("--target", default=None,
-                    help="the target's path or hub name the commands and the speculators config name (default: the "
-                    "model the heads were trained for; an embedded name becomes its local directory)")  # fmt: skip
+                    help="the target's hub name or path the commands and the speculators config name (default: the "
+                    f"model the heads were trained for; the embedded model is {EMBEDDED_HUB_ID})")  # fmt: skip
     ex.set_defaults(run=cmd_export)
 
     cv = sub.add_parser("convert", help="write published Medusa / EAGLE / EAGLE-3 heads as headstart heads")
@@ -56,12 +57,11 @@ def add_parsers(sub) -> None:
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.heads.export import export_heads
-    from headstart.runtime.models import resolve_model_dir
 
-    def target_path(name: str) -> str:
-        return str(resolve_model_dir(name)) if name == DEFAULT_MODEL else name
+    def target_name(name: str) -> str:
+        return EMBEDDED_HUB_ID if name == DEFAULT_MODEL else name
 
-    print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_path))
+    print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_name))
     return 0
 
 
