@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 DEEPSPEED ?= deepspeed==0.19.8
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm clean
+.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm test-speculators clean
 
 install: $(VENV)/.installed
 
@@ -76,9 +76,26 @@ test-vllm: install $(VLLM_VENV)/.installed
 bench-vllm: install $(VLLM_VENV)/.installed
 	$(BIN)/python tests/engines/vllm_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md $(VLLM_BENCH_ARGS)
 
+# speculators 0.9.0 (vLLM's training library) in its own venv: its classes read headstart's EAGLE-3 exports, write heads of
+# each variant that headstart loads, and draft the same logits (tests/engines/speculators_check.py). It is installed
+# without its dependencies, then those pinned: its torchvision/torchaudio requirements would replace the CPU torch.
+SPEC_VENV ?= .venv-speculators
+SPEC_DEPS = "transformers==5.19.0" "datasets==5.1.0" "pydantic==2.14.4" "pydantic-settings==2.16.3" "loguru==0.7.3" \
+	"rich==15.0.0" "typer==0.29.2" "click==8.5.1" "httpx==0.29.0" "aiohttp==3.14.5" "openai==3.57.0" "protobuf==7.36.2" \
+	"psutil==7.2.2" "safetensors==0.8.0" "tqdm==4.70.1" "numpy==2.4.6" "huggingface-hub==2.4.0"
+$(SPEC_VENV)/.installed:
+	$(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/pip install -q "$(TORCH)"
+	$(SPEC_VENV)/bin/pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+	$(SPEC_VENV)/bin/pip install -q $(SPEC_DEPS)
+	touch $@
+
+test-speculators: install $(SPEC_VENV)/.installed
+	$(BIN)/python tests/engines/speculators_check.py --peer-python $(SPEC_VENV)/bin/python
+
 # after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
 pinned: install
 	cd tests && ../$(BIN)/python -m helpers.pinned
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SPEC_VENV) .pytest_cache .ruff_cache *.egg-info
