@@ -23,7 +23,7 @@ from headstart.runtime.batched import decode_batched
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.models import load_model
-from helpers.exactness import TREES, assert_greedy_identity, assert_trained_heads_speculate, fit_heads
+from helpers.exactness import TREES, SecondGuess, assert_greedy_identity, assert_trained_heads_speculate, fit_heads
 from helpers.models import tiny_tokenizer
 from helpers.training import greedy_rows
 
@@ -99,6 +99,46 @@ def test_greedy_identity_past_the_window(family, drafter):
     if base in KINDS:
         print(f"{name} {drafter}: {seen.acceptance_length:.2f} tokens a pass, {seen}")  # the matrix: pytest -rA
         assert_trained_heads_speculate(seen, drafter, name)
+
+
+def test_rounds_commit_second_ranked_branches_past_the_window(family):
+    """Every round's accepted path runs through nodes that are not their parent's first child (`SecondGuess`): the
+    cache keeps rows other than those right after the root, in every layout, windowed ones past the window."""
+    name, model, _, _ = family
+    continuations = {
+        tuple(p): model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS + 8, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p in PROMPTS
+    }
+    seen = assert_greedy_identity(model, SecondGuess(continuations, model.config.vocab_size), PROMPTS, NEW_TOKENS)
+    assert seen.accepted >= 2 * seen.rounds, f"{name}: {seen}"  # most rounds accept the whole chain of 3
+    assert seen.siblings == seen.rounds, f"{name}: {seen.siblings} of {seen.rounds} rounds committed a sibling"
+
+
+RESIDUAL_WRITERS = ("o_proj", "down_proj", "dense", "dense_4h_to_h")  # what adds to the residual stream, per family
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "layerskip"])
+def test_lookup_and_layerskip_drafts_are_accepted(family, drafter):
+    """The family's model with every layer's writes to the residual stream zeroed: the next token is a function
+    f of the current one, so a prompt that holds the chain x, f(x), f(f(x)) ... and then x again continues as the
+    chain did. Lookup copies it from the prompt and layerskip's one layer predicts it: both are accepted (the
+    random models' own continuations never repeat, so the identity runs above accept nothing from lookup)."""
+    import copy
+
+    name, model, tokenizer, options = family
+    chained = copy.deepcopy(model)
+    for module_name, module in chained.named_modules():
+        if module_name.rsplit(".", 1)[-1] in RESIDUAL_WRITERS and isinstance(module, torch.nn.Linear):
+            module.weight.data.zero_()
+            if module.bias is not None:
+                module.bias.data.zero_()
+    chain = chained.generate(torch.tensor([[5]]), max_new_tokens=12, do_sample=False)[0].tolist()
+    prompt = chain + chain[:3]
+    built = make_drafter(drafter, chained, tokenizer, **options.get(drafter, {}))
+    seen = assert_greedy_identity(chained, built, [prompt], max_new_tokens=NEW_TOKENS)
+    assert seen.accepted > 0, f"{name} {drafter}: no draft token accepted ({seen})"
 
 
 def test_batched_distillation_decodes_as_generate(family):

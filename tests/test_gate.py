@@ -34,7 +34,9 @@ def test_a_head_fitted_to_its_rows_keeps_its_acceptance_through_every_layout(tmp
     model, tokenizer = load_model(str(tiny_model_dir))
     pairs = greedy_rows(model, PROMPTS, 24)
     rows = [Row(p + a, len(p), i, str(i)) for i, (p, a) in enumerate(pairs)]
-    heads_dir = fit_heads(tmp_path / "fit", tiny_model_dir, kind, pairs, **{"optim.max_steps": 120, "heads.draft_vocab": 32})
+    heads_dir = fit_heads(
+        tmp_path / "fit", tiny_model_dir, kind, pairs, **{"optim.max_steps": 120, "heads.draft_vocab": 32}
+    )
 
     def acceptance(directory) -> float:
         with warnings.catch_warnings():
