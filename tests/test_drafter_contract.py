@@ -36,6 +36,35 @@ def test_sampling_follows_the_target(name, tiny_drafters):
     assert_first_three_follow_target(tiny_drafters[0], PROMPTS[0], drafter, runs=3000, expect_drafts=name != "none")
 
 
+def test_sampling_follows_the_target_through_the_live_tree_sizer(tiny_drafters, tmp_path, monkeypatch):
+    """The engine's live sizer resizes the sampled tree from the acceptance of past rounds, across the 3,000 runs
+    (every 4 rounds here, not 64): the trees change size between runs and the joint is still the target's."""
+    from headstart.runtime.calibrate import choose_budget
+    from headstart.runtime.engine import Engine
+
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))  # a cost curve measured for this tiny target
+    model, tokenizer, options = tiny_drafters
+    engine = Engine(model, tokenizer)
+    drafter = engine.make_drafter("eagle", heads=options["eagle"]["heads"])
+    sizer = drafter.sizer
+    assert sizer is not None, "the engine gives calibrated EAGLE heads a live sizer"
+    # a steep cost curve (each verified row costs a fifth of a step), on which the best tree moves with the
+    # acceptance the sizer sees; a flat one (this tiny target's) keeps the largest tree whatever happens
+    sizer.curve, sizer.every = {n: 1.0 + 0.2 * n for n in range(1, 65)}, 4
+    first = choose_budget(sizer.curve, sizer.rank_accuracy, sizer.draft_ms)
+    sizer.choice = {False: first, True: first}
+    drafter.resize(first, sampled=True)
+    shapes, resize = {tuple(first.shape)}, drafter.resize
+
+    def recorded(choice, sampled):
+        shapes.add(tuple(choice.shape))
+        resize(choice, sampled)
+
+    drafter.resize = recorded
+    assert_first_three_follow_target(model, PROMPTS[0], drafter, runs=3000)
+    assert len(shapes) >= 2, f"the sizer chose one sampled shape only: {shapes}"
+
+
 @pytest.mark.parametrize("name", names())
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cache_in_sync_after_each_round(name, temperature, tiny_drafters):
