@@ -186,6 +186,26 @@ def test_a_heldout_folder_is_scored_never_trained_and_the_best_heads_are_kept(tm
     assert load_file(tmp_path / "out" / "heads" / "model.safetensors")["blocks.0.linear.weight"].dtype == torch.float32
 
 
+@pytest.mark.parametrize(
+    ("config", "launcher", "expected"), [("", "bf16", "bf16"), ("no", "bf16", "no"), ("", None, "no")]
+)
+def test_the_launch_configs_mixed_precision_is_honoured(tmp_path, monkeypatch, config, launcher, expected):
+    """configs/accelerate/*.yaml say bf16 (`accelerate launch` passes it in the environment): a run config that
+    does not set mixed_precision takes it; one that does overrides it."""
+    from accelerate.state import AcceleratorState
+
+    if launcher is None:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    cfg = load_config(None, [f"mixed_precision={config}" if config else "seed=0"])
+    try:
+        assert train_heads.make_accelerator(cfg, None, tmp_path).mixed_precision == expected
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_a_constant_schedule_holds_the_peak_after_warmup():
     cfg = load_config(None, ["optim.warmup_steps=4", "optim.max_steps=100", "optim.schedule=constant"])
     factor = train_heads.lr_lambda(cfg)

@@ -94,7 +94,7 @@ class TrainConfig:
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    mixed_precision: str = "no"  # no | bf16 | fp16: passed to Accelerate
+    mixed_precision: str = ""  # no | bf16 | fp16, passed to Accelerate; "" = the launch config's (no without one)
     log_every: int = 10
     eval_every: int = 200
     save_every: int = 200

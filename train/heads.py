@@ -435,6 +435,10 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
             raise ConfigError(f"{key} is required (a folder; the configs in configs/ set it)")
     if cfg.heads.keep_vocab and not cfg.heads.init_from:
         raise ConfigError("heads.keep_vocab keeps the vocabulary of heads.init_from, which is not set")
+    if cfg.mixed_precision not in ("", "no", "bf16", "fp16"):
+        raise ConfigError(
+            f"mixed_precision must be no, bf16 or fp16 (or unset: the launcher's), got '{cfg.mixed_precision}'"
+        )
     if cfg.optim.schedule not in SCHEDULES:
         raise ConfigError(f"optim.schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.optim.schedule}'")
     if cfg.save_dtype not in ("bfloat16", "float32", "float16"):
@@ -491,7 +495,8 @@ def make_accelerator(cfg: TrainConfig, log_with: str | None, out: Path):
     cpu = not torch.cuda.is_available()
     if cpu and deepspeed:
         PartialState(backend="gloo")
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=log_with, project_dir=str(out),
+    mixed = cfg.mixed_precision or None  # None: what `accelerate launch --config_file ...` says (its environment)
+    accelerator = Accelerator(mixed_precision=mixed, log_with=log_with, project_dir=str(out),
                               cpu=cpu and not deepspeed)  # fmt: skip
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         if cfg.optim.grad_accum != 1:  # DeepSpeed's engine steps at each backward the loop runs
