@@ -159,14 +159,22 @@ class HeadsConfig:
 
 
 def save_heads(
-    directory: str | Path, heads: nn.Module, kind: str, options: dict, fingerprint: dict, extra: dict | None = None
+    directory: str | Path,
+    heads: nn.Module,
+    kind: str,
+    options: dict,
+    fingerprint: dict,
+    extra: dict | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write config.json + model.safetensors (bfloat16 unless `extra['dtype']` says otherwise)."""
+    """Write config.json + model.safetensors (bfloat16 unless `extra['dtype']` says otherwise). `state`: the heads'
+    full weights when `heads.state_dict()` would give a process's shards (FSDP, ZeRO-3: gathered by the trainer)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     extra = dict(extra or {})
     dtype = getattr(torch, extra.setdefault("dtype", "bfloat16"))
-    state = {k: cast_floats(v.detach(), dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
+    state = heads.state_dict() if state is None else state
+    state = {k: cast_floats(v.detach(), dtype).contiguous().cpu() for k, v in state.items()}
     save_file(state, directory / "model.safetensors")
     if hasattr(heads, "layer_config"):  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
         extra["draft_layer"] = heads.layer_config()

@@ -23,7 +23,8 @@ from headstart.runtime.models import cache_dir
 
 
 def folder() -> Path:
-    return cache_dir() / "background"
+    """Where jobs register: $HEADSTART_BACKGROUND (the test suite's own), else the cache's `background/`."""
+    return Path(os.environ.get("HEADSTART_BACKGROUND") or cache_dir() / "background")
 
 
 def register(what: str) -> Path:

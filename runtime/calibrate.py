@@ -244,3 +244,30 @@ class LiveSizer:
         new = choose_budget(self.curve, scale_accuracy(self.rank_accuracy, self.factor[sampled]), self.draft_ms)
         self.choice[sampled] = new
         return new if (new.budget, new.depth, new.shape) != (old.budget, old.depth, old.shape) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m headstart.runtime.calibrate [--model M] [--dtype D]`: the target's cost curve measured now (not
+    read from the cache), printed as ms and as a multiple of one row: what "several positions cost about as much
+    as one" means on this machine. Background jobs are paused while it measures."""
+    import argparse
+
+    from headstart.runtime import background
+    from headstart.runtime.models import DEFAULT_MODEL, DTYPES, load_model
+
+    p = argparse.ArgumentParser(description="the target's forward cost over 1-64 new rows, measured on this machine")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    args = p.parse_args(argv)
+    model, _ = load_model(args.model, args.dtype)
+    target = Target(model)
+    with background.paused():
+        curve = measure_cost_curve(target)
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model} {args.dtype}, "
+          f"kernels {target.packed.kind}, {PAST} cached tokens; ms per forward (x one row):")  # fmt: skip
+    print(" ".join(f"{rows}: {ms:.1f} ({ms / curve[1]:.2f}x)" for rows, ms in curve.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

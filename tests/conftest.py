@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # the training and distillation runs tests start register as background jobs: in a folder of the suite's own,
+    # never where a benchmark on this machine would pause them (or they it)
+    os.environ["HEADSTART_BACKGROUND"] = tempfile.mkdtemp(prefix="headstart-background-")
     if config.getoption("--no-prepack"):
         Target.prepack_default = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

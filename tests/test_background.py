@@ -29,6 +29,7 @@ def state(pid: int) -> str:
 @pytest.fixture
 def job(tmp_path, monkeypatch):
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    monkeypatch.delenv("HEADSTART_BACKGROUND", raising=False)
     proc = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     yield proc
@@ -65,6 +66,7 @@ def test_a_failing_measurement_still_continues_the_job(job):
 
 def test_a_dead_job_is_forgotten(tmp_path, monkeypatch):
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    monkeypatch.delenv("HEADSTART_BACKGROUND", raising=False)
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(proc.stdout)
     background.folder().mkdir(parents=True)
@@ -75,6 +77,7 @@ def test_a_dead_job_is_forgotten(tmp_path, monkeypatch):
 
 def test_a_job_unregisters_when_it_exits(tmp_path, monkeypatch):
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    monkeypatch.delenv("HEADSTART_BACKGROUND", raising=False)
     code = "from headstart.runtime import background; background.register('short')"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert not list(background.folder().glob("*.json"))

@@ -337,10 +337,14 @@ class Trainer:
         return json.loads(config.read_text()).get("metrics", {}).get("acceptance_length", 0.0)
 
     def save_heads(self, folder: Path, steps: int, metrics: dict[str, float]) -> None:
-        """The heads as they are now, with what made them, into `folder` (main process)."""
+        """The heads as they are now, with what made them, into `folder`. Every process calls it: an FSDP or
+        DeepSpeed launch that shards the heads gathers their full weights here; the main process writes them."""
         cfg = self.cfg
+        state = self.acc.get_state_dict(self.module)  # the full weights, gathered to the main process
         if not self.acc.is_main_process:
             return
+        if self.kind.trains_target:  # Medusa-2 trains base + LoRA + heads as one module: keep the heads'
+            state = {k.removeprefix("heads."): v for k, v in state.items() if k.startswith("heads.")}
         extra = {
             "dtype": cfg.save_dtype,
             "training": config_to_dict(cfg),
@@ -355,7 +359,7 @@ class Trainer:
         fp = target_fingerprint(self.base, self.tokenizer, name=cfg.target.model)
         if self.kind.trains_target:  # the heads' target is base + this adapter, saved beside them
             fp["adapter"] = save_adapter(self.model, folder, cfg.target.model)
-        save_heads(folder, self.heads, cfg.heads.kind, self.options, fp, extra)
+        save_heads(folder, self.heads, cfg.heads.kind, self.options, fp, extra, state)
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
