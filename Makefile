@@ -32,13 +32,12 @@ PYTEST_WORKERS ?= -n auto --dist worksteal
 # `generate` on the stock kernels, so they already hold the one path against the other
 EXACTNESS_TESTS = tests/test_target.py tests/test_drafter_contract.py tests/test_architectures.py \
 	tests/test_eagle.py tests/test_medusa.py tests/test_eagle3.py tests/test_adapters.py
-# then the exactness files again on stock kernels (once: the 3,000-run sampling tests, which kernels do not touch, and the
-# published-layout rewrites, which test file layouts)
+# then the exactness files again on stock kernels (once: the 3,000-run sampling tests, which kernels do not touch)
 test: install $(VENV)/.deepspeed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_WORKERS) --durations=25
-	$(BIN)/python -m pytest $(PYTEST_WORKERS) -q --no-prepack $(EXACTNESS_TESTS) -k "not sampling_follows_the_target and not sampling_first_three and not published_layouts"
+	$(BIN)/python -m pytest $(PYTEST_WORKERS) -q --no-prepack $(EXACTNESS_TESTS) -k "not sampling_follows_the_target and not sampling_first_three"
 
 bench: install
 	$(BIN)/headstart bench --categories summarization,rag --limit-per-category 10 --methods plain,hf,hf-lookup,lookup

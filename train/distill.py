@@ -10,8 +10,8 @@ computed once); `backend="hf"` keeps transformers' batched `generate`, the path 
     headstart distill --prompts ../shared/data/train/prompts.jsonl --out runs/distill/smollm2 --permissive-only
 
 `--derive TASK` answers prompts built over the target's own earlier answers in the same folder
-instead (`derived_prompts`, tasks in `DERIVED`): the permissive training prompts hold no
-summarisation or translation task, and those answers are text that may be used under the same
+instead (`derived_prompts`, tasks in `DERIVED`): the permissive training prompts hold few summarisation
+tasks (2,780 news articles) and no translation, and those answers are text that may be used under the same
 licences. `summary` asks for a summary of an answer; `to-german` for the German of an answer's
 opening sentences; `from-german` for the English of what the target wrote in German.
 """
