@@ -67,9 +67,12 @@ vllm-serve: install $(VLLM_VENV)/.installed
 		--port $(VLLM_PORT)
 
 # the shipped EAGLE-3 head exported and served by a real vLLM (float32, T = 0, 8 prompts, chains of 3): vLLM's text
-# with the head equals its text without it, and its acceptance length is headstart's own (tests/engines/vllm_check.py)
+# with the head equals its text without it, and its acceptance length is headstart's own (tests/engines/vllm_check.py);
+# then the same head rewritten as two EAGLE-3 variants that draft the same (five fused layers, two draft layers)
 test-vllm: install $(VLLM_VENV)/.installed
 	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python $(VLLM_CHECK_ARGS)
+	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --variant five_fused $(VLLM_CHECK_ARGS)
+	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --variant two_layers $(VLLM_CHECK_ARGS)
 
 # headstart beside vLLM on the same EAGLE-3 head, batch 1, float32: the table of docs/benchmarks.md (tests/engines/vllm_bench.py)
 bench-vllm: install $(VLLM_VENV)/.installed

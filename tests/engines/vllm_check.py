@@ -110,7 +110,45 @@ def engine_args(description: str, max_tokens: int, out_name: str) -> argparse.Ar
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
     p.add_argument("--out", default=str(cache_dir() / "runs" / out_name))
+    p.add_argument("--variant", default=None, choices=tuple(VARIANTS),
+                   help="the heads rewritten as this EAGLE-3 variant, drafting exactly what they draft")  # fmt: skip
     return p
+
+
+# EAGLE-3 variants a trained head can be rewritten as without changing one draft: the engines must then accept what
+# they accepted with the plain head. five_fused: two more fused layers whose fc columns are zero; two_layers: a
+# second draft layer whose writes to the residual stream (o_proj, down_proj) are zero.
+VARIANTS = ("five_fused", "two_layers")
+
+
+def equivalent_variant(heads: Path, variant: str, out: Path) -> Path:
+    """`heads` (EAGLE-3, for the embedded model) rewritten as `variant` into `out`: other tensors, the same drafts."""
+    import torch
+
+    from headstart.heads.checkpoint import HeadsConfig, build_heads, save_heads
+    from headstart.heads.load import load_heads
+    from headstart.runtime.models import load_model
+
+    model, tokenizer = load_model(dtype="float32")
+    native, config = load_heads(heads, model, tokenizer)
+    options = {**config.options}
+    state = native.state_dict()
+    if variant == "five_fused":
+        low, mid, high = native.feature_layers
+        options["layers"] = [low, (low + mid) // 2, mid, (mid + high) // 2, high]
+        chunks = list(state["fc.weight"].chunk(3, dim=1))
+        zero = torch.zeros_like(chunks[0])
+        state["fc.weight"] = torch.cat([chunks[0], zero, chunks[1], zero, chunks[2]], dim=1)
+    else:
+        options["num_layers"] = 2
+    rewritten = build_heads("eagle3", model, **options)
+    missing, unexpected = rewritten.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("extra_layers.") for k in missing), (missing, unexpected)
+    for layer in rewritten.extra_layers:
+        layer.self_attn.o_proj.weight.data.zero_()
+        layer.mlp.down_proj.weight.data.zero_()
+    extra = {k: v for k, v in config.to_json().items() if k not in HeadsConfig.FIELDS[:3]}
+    return save_heads(out, rewritten, "eagle3", options, config.target, {**extra, "dtype": "float32"})
 
 
 def export_for_vllm(args: argparse.Namespace) -> tuple[Path, Path, str, Path]:
@@ -125,6 +163,8 @@ def export_for_vllm(args: argparse.Namespace) -> tuple[Path, Path, str, Path]:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    if getattr(args, "variant", None):
+        heads = equivalent_variant(heads, args.variant, out / "variant-heads")
     model_dir = str(resolve_model_dir(DEFAULT_MODEL))
     return heads, out, model_dir, export_heads(heads, out / "eagle3", resolve=lambda name: model_dir)
 
@@ -177,7 +217,7 @@ def main() -> int:
     if ties.shown or ties.not_ties:
         print(f"answers parting at a shown tie: {ties.shown}; without one: {ties.not_ties}")
     ok = same == same_as_ours == len(prompts) and gap <= 0.15
-    print("vLLM check: " + ("OK" if ok else "FAILED"))
+    print(f"vLLM check{f' ({args.variant})' if args.variant else ''}: " + ("OK" if ok else "FAILED"))
     return 0 if ok else 1
 
 
