@@ -222,8 +222,14 @@ class Eagle3Head(nn.Module):
         cos_sin = self.rotary(u, position_ids)
         y = self.midlayer(next_embeds.to(u.dtype), u, attention_mask, position_ids, cache, cos_sin)
         for layer in self.extra_layers:
-            y = layer(y, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                      use_cache=cache is not None, position_embeddings=cos_sin)  # fmt: skip
+            y = layer(
+                y,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                position_embeddings=cos_sin,
+            )
         return self.norm(y) if self.norm_output else y
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -102,9 +102,18 @@ def _eagle_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Te
 
 
 def _eagle3_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
-    return losses.eagle3_loss(module, hidden, tools.embed, head.logits, tools.target_readout, batch["input_ids"],
-                              batch["loss_mask"], _unroll(tools.options, step), tools.to_draft,
-                              head.fc.in_features)  # fmt: skip
+    return losses.eagle3_loss(
+        module,
+        hidden,
+        tools.embed,
+        head.logits,
+        tools.target_readout,
+        batch["input_ids"],
+        batch["loss_mask"],
+        _unroll(tools.options, step),
+        tools.to_draft,
+        head.fc.in_features,
+    )
 
 
 def _eagle3_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Tensor]:
@@ -113,8 +122,13 @@ def _eagle3_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.T
     return [head.logits(out[:, k - 1 :]).float() for k, out in enumerate(outs, 1)]
 
 
-EAGLE3_VARIANT = {"norm_before_residual": False, "fc_norm": False, "norm_before_fc": False, "norm_output": False,
-                  "num_layers": 1}  # fmt: skip
+EAGLE3_VARIANT = {
+    "norm_before_residual": False,
+    "fc_norm": False,
+    "norm_before_fc": False,
+    "norm_output": False,
+    "num_layers": 1,
+}
 
 
 def _nondefault(variant: dict) -> dict:
@@ -123,8 +137,12 @@ def _nondefault(variant: dict) -> dict:
 
 
 def _eagle3_options(cfg) -> dict:
-    variant = {"fc_norm": cfg.fc_norm, "norm_before_fc": cfg.norm_before_fc, "norm_output": cfg.norm_output,
-               "num_layers": cfg.draft_layers}  # fmt: skip
+    variant = {
+        "fc_norm": cfg.fc_norm,
+        "norm_before_fc": cfg.norm_before_fc,
+        "norm_output": cfg.norm_output,
+        "num_layers": cfg.draft_layers,
+    }
     layers = {"layers": list(cfg.fused_layers)} if cfg.fused_layers else {}
     return {"draft_vocab": cfg.draft_vocab, **layers, **_nondefault(variant)}
 

@@ -229,6 +229,7 @@ def _layer_config(config: dict, layout: str) -> dict:
 
 # Every key an EAGLE-3 config.json of the three dialects may hold: used (they change the drafts), or inert (they
 # do not). Any other key, or an inert key set to a value that would change the drafts, is refused in one line.
+# (the two lists below are lists of names: `fmt: skip` keeps them a few lines long, not a line a name)
 EAGLE3_USED = frozenset({
     "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "eagle_config", "norm_before_residual", "fc_norm",
     "norm_before_fc", "norm_output", "transformer_layer_config", "speculators_config", "target_hidden_size",
@@ -244,8 +245,13 @@ EAGLE3_INERT = frozenset({
     "num_aux_hidden_states",  # the fc's shape and the fused ids say it
 })  # fmt: skip
 # inert only at these values (another value changes the drafts, and headstart does not build it)
-EAGLE3_INERT_AT = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
-                   "sliding_window": (None,), "use_sliding_window": (False, None)}  # fmt: skip
+EAGLE3_INERT_AT = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False, None),
+    "mlp_bias": (False, None),
+    "sliding_window": (None,),
+    "use_sliding_window": (False, None),
+}
 EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "norm_before_fc"})
 
 
@@ -266,11 +272,15 @@ def check_eagle3_keys(config: dict, layout: str, where: Path) -> None:
     for prefix, section in sections:
         for key, value in section.items():
             if key in EAGLE3_INERT_AT and value not in EAGLE3_INERT_AT[key]:
-                raise PublishedHeadsError(f"{where / 'config.json'}: {prefix}{key} = {value!r} changes the drafts in a "
-                                          "way headstart does not build")  # fmt: skip
+                raise PublishedHeadsError(
+                    f"{where / 'config.json'}: {prefix}{key} = {value!r} changes the drafts in a "
+                    "way headstart does not build"
+                )
             if key not in EAGLE3_USED | EAGLE3_INERT | EAGLE3_INERT_AT.keys() and key not in generic:
-                raise PublishedHeadsError(f"{where / 'config.json'}: unknown EAGLE-3 key '{prefix}{key}' (it might "
-                                          "change the drafts: refused rather than ignored)")  # fmt: skip
+                raise PublishedHeadsError(
+                    f"{where / 'config.json'}: unknown EAGLE-3 key '{prefix}{key}' (it might "
+                    "change the drafts: refused rather than ignored)"
+                )
     if (
         config.get("use_aux_hidden_state", True) is False
         or (config.get("eagle_config") or {}).get("use_aux_hidden_state", True) is False
@@ -280,12 +290,15 @@ def check_eagle3_keys(config: dict, layout: str, where: Path) -> None:
         )
     for key in config.get("eagle_config") or {}:
         if key not in EAGLE_CONFIG_KEYS:
-            raise PublishedHeadsError(f"{where / 'config.json'}: unknown EAGLE-3 key 'eagle_config.{key}' (refused "
-                                      "rather than ignored)")  # fmt: skip
+            raise PublishedHeadsError(
+                f"{where / 'config.json'}: unknown EAGLE-3 key 'eagle_config.{key}' (refused rather than ignored)"
+            )
     layer_types = _layer_config(config, layout).get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
-        raise PublishedHeadsError(f"{where / 'config.json'}: draft layers of types {layer_types}: headstart builds "
-                                  "full-attention draft layers only")  # fmt: skip
+        raise PublishedHeadsError(
+            f"{where / 'config.json'}: draft layers of types {layer_types}: headstart builds "
+            "full-attention draft layers only"
+        )
 
 
 def _eagle3_tensor(name: str, first: str) -> str | None:
@@ -351,15 +364,18 @@ def _eagle3(directory: Path, config: dict, tensors: dict[str, torch.Tensor], lay
     for flag, tensor in (("fc_norm", "fc_norm.0.weight"), ("norm_before_fc", "input_norm.weight")):
         if bool(options.get(flag)) != (tensor in weights):
             said_so = "says" if options.get(flag) else "does not say"
-            raise PublishedHeadsError(f"{directory}: its config {said_so} {flag}, its weights "
-                                      f"{'lack' if options.get(flag) else 'hold'} {tensor}")  # fmt: skip
+            raise PublishedHeadsError(
+                f"{directory}: its config {said_so} {flag}, its weights "
+                f"{'lack' if options.get(flag) else 'hold'} {tensor}"
+            )
     extra = {int(n.split(".")[1]) for n in weights if n.startswith("extra_layers.")}
     if extra != set(range(len(extra))):
         raise PublishedHeadsError(f"{directory}: draft layers numbered {sorted(extra)} after layer 0, not 1..n")
     said_layers = _layer_config(config, layout).get("num_hidden_layers", 1)
     if said_layers != 1 + len(extra):
-        raise PublishedHeadsError(f"{directory / 'config.json'} says {said_layers} draft layers; its weights hold "
-                                  f"{1 + len(extra)}")  # fmt: skip
+        raise PublishedHeadsError(
+            f"{directory / 'config.json'} says {said_layers} draft layers; its weights hold {1 + len(extra)}"
+        )
     if extra:
         options["num_layers"] = 1 + len(extra)
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
@@ -421,8 +437,10 @@ def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "
         if fused < 2 or tuple(w["fc.weight"].shape) != (hidden, fused * hidden):
             refuse("fc of shape", tuple(w["fc.weight"].shape), f"(hidden {hidden}, k x hidden)")
         if "layers" not in options and fused != 3:
-            raise PublishedHeadsError(f"{name} fuse {fused} target layers and their config does not say which "
-                                      "(eagle_aux_hidden_state_layer_ids): refused rather than guessed")  # fmt: skip
+            raise PublishedHeadsError(
+                f"{name} fuse {fused} target layers and their config does not say which "
+                "(eagle_aux_hidden_state_layer_ids): refused rather than guessed"
+            )
         layers = options.get("layers") or list(engine_feature_layers(n_layers))
         if not all(1 <= k <= n_layers for k in layers) or len(layers) != fused:
             refuse(f"{fused} fused layers", layers, f"{n_layers} layers")

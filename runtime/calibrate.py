@@ -263,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(model)
     with background.paused():
         curve = measure_cost_curve(target)
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model} {args.dtype}, "
-          f"kernels {target.packed.kind}, {PAST} cached tokens; ms per forward (x one row):")  # fmt: skip
+    print(
+        f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model} {args.dtype}, "
+        f"kernels {target.packed.kind}, {PAST} cached tokens; ms per forward (x one row):"
+    )
     print(" ".join(f"{rows}: {ms:.1f} ({ms / curve[1]:.2f}x)" for rows, ms in curve.items()))
     return 0
 

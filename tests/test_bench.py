@@ -42,8 +42,10 @@ def test_bench_records_and_tables(tiny_model_dir, tmp_path):
     table = bench.summarize(records)
     overall = table[(0.0, "overall")]
     greedy = [r for r in records if r.temperature == 0]
-    rate = {m: sum(r.new_tokens for r in greedy if r.method == m) / sum(r.seconds for r in greedy if r.method == m)
-            for m in ("plain", "lookup")}  # fmt: skip
+    rate = {
+        m: sum(r.new_tokens for r in greedy if r.method == m) / sum(r.seconds for r in greedy if r.method == m)
+        for m in ("plain", "lookup")
+    }
     assert overall["lookup"]["speedup_vs_plain"] == pytest.approx(rate["lookup"] / rate["plain"])
     passes = sum(r.target_passes for r in greedy if r.method == "lookup")
     assert overall["lookup"]["acceptance_length"] == pytest.approx(

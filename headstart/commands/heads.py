@@ -19,9 +19,12 @@ def add_parsers(sub) -> None:
     ex.add_argument("--format", default="specforge", choices=("specforge", "speculators"),
                     help="specforge: the EAGLE-3 layout vLLM and SGLang load (default); speculators: vLLM's "
                     "self-describing twin (`vllm serve OUT`)")  # fmt: skip
-    ex.add_argument("--target", default=None,
-                    help="the target's hub name or path the commands and the speculators config name (default: the "
-                    f"model the heads were trained for; the embedded model is {EMBEDDED_HUB_ID})")  # fmt: skip
+    ex.add_argument(
+        "--target",
+        default=None,
+        help="the target's hub name or path the commands and the speculators config name (default: the "
+        f"model the heads were trained for; the embedded model is {EMBEDDED_HUB_ID})",
+    )
     ex.set_defaults(run=cmd_export)
 
     cv = sub.add_parser("convert", help="write published Medusa / EAGLE / EAGLE-3 heads as headstart heads")

@@ -45,8 +45,15 @@ def tiny_target(folder: Path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     model.save_pretrained(folder)
     return model
@@ -118,8 +125,16 @@ def main() -> int:
     embed = target.get_input_embeddings()
     for name, variant in VARIANTS.items():
         folder = out / name
-        peer(args.peer_python, "write", "--target", str(out / "target"), "--out", str(folder),
-             "--variant", json.dumps({**variant, "draft_vocab": 64}))  # fmt: skip
+        peer(
+            args.peer_python,
+            "write",
+            "--target",
+            str(out / "target"),
+            "--out",
+            str(folder),
+            "--variant",
+            json.dumps({**variant, "draft_vocab": 64}),
+        )
         saved = torch.load(folder / "drafts.pt")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the verifier's name is a folder of this run
@@ -128,14 +143,24 @@ def main() -> int:
         ours = our_drafts(head, embed, saved["hidden"], saved["input_ids"], len(saved["logits"]))
         diff = compare(ours, saved["logits"])
         export_heads(converted, folder / "export", "speculators", verifier=str(out / "target"))
-        peer(args.peer_python, "drafts", "--head", str(folder / "export"), "--inputs", str(folder / "drafts.pt"),
-             "--out", str(folder / "drafts-of-export.pt"))  # fmt: skip
+        peer(
+            args.peer_python,
+            "drafts",
+            "--head",
+            str(folder / "export"),
+            "--inputs",
+            str(folder / "drafts.pt"),
+            "--out",
+            str(folder / "drafts-of-export.pt"),
+        )
         back = torch.load(folder / "drafts-of-export.pt")["logits"]
         diff_back = max(float((x - y).abs().max()) for x, y in zip(back, saved["logits"], strict=True))
         ok = diff < TOLERANCE and diff_back < TOLERANCE and head.variant()["fc_norm"] == variant.get("fc_norm", False)
-        print(f"{name:>16}: {json.dumps(head.variant())} fused {list(head.feature_layers)}; headstart vs speculators "
-              f"drafts max |diff| {diff:.2e}; speculators on headstart's export {diff_back:.2e} "
-              f"{'ok' if ok else 'FAILED'}")  # fmt: skip
+        print(
+            f"{name:>16}: {json.dumps(head.variant())} fused {list(head.feature_layers)}; headstart vs speculators "
+            f"drafts max |diff| {diff:.2e}; speculators on headstart's export {diff_back:.2e} "
+            f"{'ok' if ok else 'FAILED'}"
+        )
         failures += [] if ok else [name]
     print("speculators round trip:", "passed" if not failures else f"FAILED ({', '.join(failures)})")
     return 1 if failures else 0

@@ -36,22 +36,33 @@ def drafts(model: Eagle3DraftModel, hidden: torch.Tensor, input_ids: torch.Tenso
 
 def write(target: Path, variant: dict, out: Path) -> None:
     tc = AutoConfig.from_pretrained(target)
-    layer = LlamaConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                        num_hidden_layers=variant.get("num_layers", 1), num_attention_heads=tc.num_attention_heads,
-                        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.hidden_size // tc.num_attention_heads,
-                        rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings)  # fmt: skip
+    layer = LlamaConfig(
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=variant.get("num_layers", 1),
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.hidden_size // tc.num_attention_heads,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings,
+    )
     ids = variant["layers"]
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=variant["draft_vocab"],
-        norm_before_residual=variant.get("norm_before_residual", True), eagle_aux_hidden_state_layer_ids=ids,
-        fc_norm=variant.get("fc_norm", False), norm_before_fc=variant.get("norm_before_fc", False),
+        transformer_layer_config=layer,
+        draft_vocab_size=variant["draft_vocab"],
+        norm_before_residual=variant.get("norm_before_residual", True),
+        eagle_aux_hidden_state_layer_ids=ids,
+        fc_norm=variant.get("fc_norm", False),
+        norm_before_fc=variant.get("norm_before_fc", False),
         norm_output=variant.get("norm_output", False),
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=STEPS)],
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=STEPS)],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=str(target), architectures=["LlamaForCausalLM"]),
         ),
-    )  # fmt: skip
+    )
     model = Eagle3DraftModel(config)
     gen = torch.Generator().manual_seed(0)
     for p in model.parameters():

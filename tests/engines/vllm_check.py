@@ -110,8 +110,12 @@ def engine_args(description: str, max_tokens: int, out_name: str) -> argparse.Ar
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
     p.add_argument("--out", default=str(cache_dir() / "runs" / out_name))
-    p.add_argument("--variant", default=None, choices=tuple(VARIANTS),
-                   help="the heads rewritten as this EAGLE-3 variant, drafting exactly what they draft")  # fmt: skip
+    p.add_argument(
+        "--variant",
+        default=None,
+        choices=tuple(VARIANTS),
+        help="the heads rewritten as this EAGLE-3 variant, drafting exactly what they draft",
+    )
     return p
 
 
