@@ -68,11 +68,13 @@ vllm-serve: install $(VLLM_VENV)/.installed
 
 # the shipped EAGLE-3 head exported and served by a real vLLM (float32, T = 0, 8 prompts, chains of 3): vLLM's text
 # with the head equals its text without it, and its acceptance length is headstart's own (tests/engines/vllm_check.py);
-# then the same head rewritten as two EAGLE-3 variants that draft the same (five fused layers, two draft layers)
+# then the same head rewritten as each EAGLE-3 variant (two that draft the same, three that draft near it), 4 prompts
 test-vllm: install $(VLLM_VENV)/.installed
 	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python $(VLLM_CHECK_ARGS)
-	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --variant five_fused $(VLLM_CHECK_ARGS)
-	$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --variant two_layers $(VLLM_CHECK_ARGS)
+	for v in five_fused two_layers fc_norm norm_before_fc norm_output; do \
+		$(BIN)/python tests/engines/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --variant $$v --prompts 4 \
+			--max-tokens 64 $(VLLM_CHECK_ARGS) || exit 1; \
+	done
 
 # headstart beside vLLM on the same EAGLE-3 head, batch 1, float32: the table of docs/benchmarks.md (tests/engines/vllm_bench.py)
 bench-vllm: install $(VLLM_VENV)/.installed

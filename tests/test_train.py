@@ -206,6 +206,17 @@ def test_the_launch_configs_mixed_precision_is_honoured(tmp_path, monkeypatch, c
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def test_saved_heads_name_no_home_folder(monkeypatch, tmp_path):
+    """Paths under the home folder in the training section of a heads config are written ~/...: shipped heads name
+    no folder of the machine that trained them."""
+    from headstart.train.config import config_to_dict, portable
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, [f"output_dir={tmp_path}/runs/x", f"data.sources=[{tmp_path}/a, ../shared/b]"])
+    saved = portable(config_to_dict(cfg))
+    assert saved["output_dir"] == "~/runs/x" and saved["data"]["sources"] == ["~/a", "../shared/b"]
+
+
 def test_a_constant_schedule_holds_the_peak_after_warmup():
     cfg = load_config(None, ["optim.warmup_steps=4", "optim.max_steps=100", "optim.schedule=constant"])
     factor = train_heads.lr_lambda(cfg)

@@ -211,6 +211,19 @@ def config_to_dict(cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
+def portable(values):
+    """`values` (a config as `config_to_dict` gives it) with every path under the home folder written `~/...`: what
+    a saved file tells others, without this machine's home."""
+    home = str(Path.home())
+    if isinstance(values, dict):
+        return {k: portable(v) for k, v in values.items()}
+    if isinstance(values, list):
+        return [portable(v) for v in values]
+    if isinstance(values, str) and (values == home or values.startswith(home + os.sep)):
+        return "~" + values[len(home) :]
+    return values
+
+
 def ensure_writable_dir(path: str | Path) -> Path:
     """Create `path` if needed and check that files can be written there; a ConfigError says why not."""
     path = Path(path)

@@ -32,7 +32,14 @@ from headstart.heads.load import load_heads
 from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.runtime import background
 from headstart.runtime.tokens import pad_id
-from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, load_config
+from headstart.train.config import (
+    ConfigError,
+    TrainConfig,
+    config_to_dict,
+    ensure_writable_dir,
+    load_config,
+    portable,
+)
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
 from headstart.train.evaluate import rank_hits, summarize
 from headstart.train.features import FeatureCache, target_features
@@ -347,7 +354,7 @@ class Trainer:
             state = {k.removeprefix("heads."): v for k, v in state.items() if k.startswith("heads.")}
         extra = {
             "dtype": cfg.save_dtype,
-            "training": config_to_dict(cfg),
+            "training": portable(config_to_dict(cfg)),
             "data_rows": len(self.train_rows),
             "eval_rows": len(self.eval_rows),
             "steps": steps,
