@@ -231,8 +231,9 @@ def main() -> int:
         "headstart_rounds": ours["rounds"], "headstart_accepted_per_depth": ours["accepted_per_depth"],
     }  # fmt: skip
     (out / "vllm-check.json").write_text(json.dumps(report, indent=2))
+    without = "not rerun" if plain is None else f"{same}/{len(prompts)}"
     print(
-        f"identical answers, vLLM with vs without the head: {same}/{len(prompts)} "
+        f"identical answers, vLLM with vs without the head: {without} "
         f"(vLLM with the head vs headstart: {same_as_ours}/{len(prompts)})"
     )
     print(
