@@ -127,8 +127,13 @@ def engine_args(description: str, max_tokens: int, out_name: str) -> argparse.Ar
 # zero). "near": it drafts otherwise but well enough to be accepted often (fc_norm and norm_before_fc: norms whose
 # weights are the fused states' typical RMS, so they rescale each token's states to about their usual size;
 # norm_output: the next step reads norm(y), not y, which changes depth 2 and on).
-VARIANTS = {"five_fused": "same", "two_layers": "same", "fc_norm": "near", "norm_before_fc": "near",
-            "norm_output": "near"}  # fmt: skip
+VARIANTS = {
+    "five_fused": "same",
+    "two_layers": "same",
+    "fc_norm": "near",
+    "norm_before_fc": "near",
+    "norm_output": "near",
+}
 
 
 def rewrite_as(heads: Path, variant: str, out: Path) -> Path:
