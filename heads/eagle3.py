@@ -29,6 +29,8 @@ becomes the engines' `d2t` offsets (target id = i + d2t[i]) and `t2d` mask.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
@@ -170,15 +172,17 @@ class Eagle3Head(nn.Module):
         # (N,) target ids of the lm_head's rows, set by training; None = the full vocabulary in order.
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
 
-    def variant(self) -> dict:
-        """The variant options this head was built with (saved with it; the export writes them)."""
-        return {
+    def variant(self, changed_only: bool = False) -> dict:
+        """The variant options this head was built with (saved with it; the export writes them); `changed_only`:
+        those that differ from a plain EAGLE-3 head's (`PLAIN_VARIANT`)."""
+        variant = {
             "norm_before_residual": self.midlayer.norm_before_residual,
             "fc_norm": self.fc_norm is not None,
             "norm_before_fc": self.input_norm is not None,
             "norm_output": self.norm_output,
             "num_layers": 1 + len(self.extra_layers),
         }
+        return {k: v for k, v in variant.items() if not changed_only or PLAIN_VARIANT[k] != v}
 
     @classmethod
     def for_target(cls, model: nn.Module, **options) -> Eagle3Head:
@@ -235,3 +239,13 @@ class Eagle3Head(nn.Module):
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., N) draft logits over every draft token."""
         return self.lm_head(y if self.norm_output else self.norm(y))
+
+
+# the flags published configs write for the variants (both export layouts and the readers use these names)
+VARIANT_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+# a plain EAGLE-3 head's variant options: the constructor's defaults, written once there
+PLAIN_VARIANT = {
+    k: p.default
+    for k, p in inspect.signature(Eagle3Head.__init__).parameters.items()
+    if k in ("norm_before_residual", *VARIANT_FLAGS, "num_layers")
+}

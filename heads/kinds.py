@@ -26,7 +26,7 @@ from torch import nn
 
 from headstart.heads import losses
 from headstart.heads.eagle import EagleHead
-from headstart.heads.eagle3 import Eagle3Head
+from headstart.heads.eagle3 import PLAIN_VARIANT, VARIANT_FLAGS, Eagle3Head
 from headstart.heads.medusa import MedusaHeads
 
 
@@ -112,7 +112,7 @@ def _eagle3_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.
         batch["loss_mask"],
         _unroll(tools.options, step),
         tools.to_draft,
-        head.fc.in_features,
+        fused_width=head.fc.in_features,
     )
 
 
@@ -122,29 +122,11 @@ def _eagle3_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.T
     return [head.logits(out[:, k - 1 :]).float() for k, out in enumerate(outs, 1)]
 
 
-EAGLE3_VARIANT = {
-    "norm_before_residual": False,
-    "fc_norm": False,
-    "norm_before_fc": False,
-    "norm_output": False,
-    "num_layers": 1,
-}
-
-
-def _nondefault(variant: dict) -> dict:
-    """The variant options that differ from a plain EAGLE-3 head's (what a checkpoint's config needs to say)."""
-    return {k: v for k, v in variant.items() if EAGLE3_VARIANT[k] != v}
-
-
 def _eagle3_options(cfg) -> dict:
-    variant = {
-        "fc_norm": cfg.fc_norm,
-        "norm_before_fc": cfg.norm_before_fc,
-        "norm_output": cfg.norm_output,
-        "num_layers": cfg.draft_layers,
-    }
+    variant = {flag: getattr(cfg, flag) for flag in VARIANT_FLAGS} | {"num_layers": cfg.draft_layers}
+    changed = {k: v for k, v in variant.items() if PLAIN_VARIANT[k] != v}
     layers = {"layers": list(cfg.fused_layers)} if cfg.fused_layers else {}
-    return {"draft_vocab": cfg.draft_vocab, **layers, **_nondefault(variant)}
+    return {"draft_vocab": cfg.draft_vocab, **layers, **changed}
 
 
 MEDUSA = HeadKind(
@@ -164,7 +146,7 @@ EAGLE = HeadKind(
 EAGLE3 = HeadKind(
     "eagle3", Eagle3Head.for_target, "eagle3", _eagle3_loss, _eagle3_depths,
     training_options=_eagle3_options,
-    saved_options=lambda head: {"layers": list(head.feature_layers), **_nondefault(head.variant())},
+    saved_options=lambda head: {"layers": list(head.feature_layers), **head.variant(changed_only=True)},
     prepare=lambda head, model: head.init_lm_head(model.get_output_embeddings()),
     feature_layers=lambda head: (*head.feature_layers, -1),  # and the final feature, for p
     export_refusal=None,

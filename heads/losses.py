@@ -122,15 +122,15 @@ def eagle3_loss(
     loss_mask: torch.Tensor,
     unroll: int = 1,
     to_draft=None,
-    fused_width: int | None = None,  # kH, the head's fc input (default: all but the last quarter, k = 3)
+    *,
+    fused_width: int,  # kH: the head's fc input (`hidden`'s first values)
 ) -> torch.Tensor:
     """EAGLE-3's loss: for each unrolled step k (0-based, weight 0.8^k, normalised), the soft cross-entropy
     of the head's draft distribution q against the target's next-token distribution p restricted to the
     draft vocabulary (renormalised over it), at response positions whose next token lies in the draft
     vocabulary (p of a token the head cannot propose teaches it nothing). Step k at s needs a root at s - k.
     """
-    F_ = fused_width or hidden.shape[-1] // 4 * 3
-    fused, final = hidden[:, :-1, :F_], hidden[:, 1:, F_:]  # out_k[s] predicts token s + 2: p from s + 1
+    fused, final = hidden[:, :-1, :fused_width], hidden[:, 1:, fused_width:]  # out_k[s]: token s + 2, p from s + 1
     outs = eagle_unroll(head, fused, embed(input_ids[:, 1:]), unroll)
     valid = loss_mask[:, 1:].clone()
     if to_draft is not None:

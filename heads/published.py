@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from headstart.heads.checkpoint import HeadsConfig, build_heads, save_heads, target_fingerprint
-from headstart.heads.eagle3 import LAYER_OVERRIDES, draft_config, engine_feature_layers
+from headstart.heads.eagle3 import LAYER_OVERRIDES, VARIANT_FLAGS, draft_config, engine_feature_layers
 from headstart.heads.export import write_new_dir
 
 LAYOUTS = ("medusa", "eagle", "eagle3-authors", "eagle3-specforge", "eagle3-speculators")
@@ -240,7 +240,7 @@ EAGLE3_INERT = frozenset({
     "architectures", "model_type", "auto_map", "speculators_model_type", "speculators_version", "embed_requires_grad",
     "max_position_embeddings", "initializer_range", "tie_word_embeddings", "use_cache", "attention_dropout",
     "pretraining_tp", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
-    "pad_token_id", "enable_sp_ulysses", "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+    "pad_token_id", "enable_sp_ulysses", "layer_types", "max_window_layers",
     "use_aux_hidden_state",  # false is refused below
     "num_aux_hidden_states",  # the fc's shape and the fused ids say it
 })  # fmt: skip
@@ -358,7 +358,7 @@ def _eagle3(directory: Path, config: dict, tensors: dict[str, torch.Tensor], lay
     # speculators' layers default to the residual (true); the other layouts have no such choice (false)
     if config.get("norm_before_residual", layout == "eagle3-speculators"):
         options["norm_before_residual"] = True
-    for flag in ("fc_norm", "norm_before_fc", "norm_output"):
+    for flag in VARIANT_FLAGS:
         if config.get(flag, eagle_config.get(flag, False)):
             options[flag] = True
     for flag, tensor in (("fc_norm", "fc_norm.0.weight"), ("norm_before_fc", "input_norm.weight")):

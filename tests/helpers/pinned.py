@@ -57,7 +57,17 @@ def fixed_batch_losses(kind: str) -> list[float]:
         elif head_kind == "eagle3":  # the fused layers and the final feature; p over the full vocabulary
             fused = torch.cat([states[k] for k in (*heads.feature_layers, -1)], dim=-1)
             readout = DraftReadout(model.lm_head, None)
-            loss = eagle3_loss(heads, fused, model.model.embed_tokens, heads.logits, readout, ids, mask, int(unroll))
+            loss = eagle3_loss(
+                heads,
+                fused,
+                model.model.embed_tokens,
+                heads.logits,
+                readout,
+                ids,
+                mask,
+                int(unroll),
+                fused_width=heads.fc.in_features,
+            )
         else:
             embed, lm_head = model.model.embed_tokens, model.lm_head
             loss, _ = eagle_loss(heads, hidden, embed, lm_head, ids, mask, unroll=int(unroll or 1))

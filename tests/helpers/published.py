@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from headstart.heads.eagle3 import VARIANT_FLAGS
+
 LAYOUTS = ("medusa", "eagle", "eagle3-authors", "eagle3-specforge", "eagle3-speculators")
 
 
@@ -93,7 +95,7 @@ def write_published(
         layer = _llama(
             model, draft_vocab_size=tensors["lm_head.weight"].shape[0], num_hidden_layers=variant["num_layers"]
         )
-        flags = {k: variant[k] for k in ("fc_norm", "norm_before_fc", "norm_output") if variant[k]}
+        flags = {k: variant[k] for k in VARIANT_FLAGS if variant[k]}
         if layout == "eagle3-authors":
             tensors["embed_tokens.weight"] = embed
             config = {**layer, **flags}
