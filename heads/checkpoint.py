@@ -1,6 +1,6 @@
 """Head checkpoints: a directory with `config.json` and `model.safetensors`, bound to one target.
 
-config.json (`HeadsConfig`) holds the head kind and sizes, the training config and metrics, and
+config.json (`CheckpointConfig`) holds the head kind and sizes, the training config and metrics, and
 the target's fingerprint: architecture, vocab size, hidden size, layer count, the LoRA adapter
 applied on top (a hash, `runtime/adapters.py`), and hashes of the tokenizer vocabulary and of the
 lm_head (taken at bfloat16 precision, so a float32 and a bfloat16 load of one model agree).
@@ -80,8 +80,9 @@ def check_fingerprint(trained_for: dict, target: dict, where: str, allow_adapter
         raise HeadsMismatchError(mismatch)
     if trained_for.get("adapter") != target.get("adapter"):  # heads from before adapters: trained on the base
         if not allow_adapter_mismatch:
-            raise HeadsMismatchError(f"{mismatch} (`allow_adapter_mismatch` runs them anyway: the output stays "
-                                     "exact, acceptance may drop)")  # fmt: skip
+            raise HeadsMismatchError(
+                f"{mismatch} (`allow_adapter_mismatch` runs them anyway: the output stays exact, acceptance may drop)"
+            )
         warnings.warn(f"{mismatch}: running them anyway; the output stays exact, acceptance may drop", stacklevel=2)
 
 
@@ -96,7 +97,7 @@ def build_heads(kind: str, model: nn.Module, **options) -> nn.Module:
 
 
 @dataclass(frozen=True)
-class HeadsConfig:
+class CheckpointConfig:
     """A heads directory's config.json, typed: read (`read`) and written (`save_heads`) here only."""
 
     kind: str  # a registered kind (heads/kinds.py)
@@ -119,16 +120,18 @@ class HeadsConfig:
         return self.rank_accuracy if any(acc > 0 for depth in measured for acc in depth) else None
 
     @classmethod
-    def from_json(cls, config: dict) -> HeadsConfig:
-        return cls(**{k: config[k] for k in cls.FIELDS if k in config},
-                   extra={k: v for k, v in config.items() if k not in cls.FIELDS})  # fmt: skip
+    def from_json(cls, config: dict) -> CheckpointConfig:
+        return cls(
+            **{k: config[k] for k in cls.FIELDS if k in config},
+            extra={k: v for k, v in config.items() if k not in cls.FIELDS},
+        )
 
     def to_json(self) -> dict:
         fields = {k: getattr(self, k) for k in self.FIELDS}
         return {**{k: v for k, v in fields.items() if v is not None}, **self.extra}
 
     @classmethod
-    def read(cls, directory: str | Path) -> HeadsConfig:
+    def read(cls, directory: str | Path) -> CheckpointConfig:
         """config.json of a heads directory, or a ValueError in one line saying what is wrong."""
         path = Path(directory) / "config.json"
         if not path.is_file():
@@ -142,12 +145,14 @@ class HeadsConfig:
             or config.get("kind") not in KINDS
             or not isinstance(config.get("target"), dict)
         ):
-            raise ValueError(f"{directory} is not a heads checkpoint (its config.json names no head kind and target; "
-                             "a model directory goes to --model)")  # fmt: skip
+            raise ValueError(
+                f"{directory} is not a heads checkpoint (its config.json names no head kind and target; "
+                "a model directory goes to --model)"
+            )
         return cls.from_json(config)
 
     @classmethod
-    def find(cls, directory: str | Path | None) -> HeadsConfig | None:
+    def find(cls, directory: str | Path | None) -> CheckpointConfig | None:
         """`read`, or None where there is no headstart config.json (no directory, a bare LoRA adapter, heads in a
         published layout: `load_heads` reads those and says what is wrong with them)."""
         if directory is None or not (Path(directory) / "config.json").is_file():
@@ -178,11 +183,13 @@ def save_heads(
     save_file(state, directory / "model.safetensors")
     if hasattr(heads, "layer_config"):  # EAGLE-3: the draft layer's Llama config, for the engines (heads.export)
         extra["draft_layer"] = heads.layer_config()
-    save_config(directory, HeadsConfig.from_json({"kind": kind, "options": options, "target": fingerprint, **extra}))
+    save_config(
+        directory, CheckpointConfig.from_json({"kind": kind, "options": options, "target": fingerprint, **extra})
+    )
     return directory
 
 
-def save_config(directory: str | Path, config: HeadsConfig) -> None:
+def save_config(directory: str | Path, config: CheckpointConfig) -> None:
     """Write a heads directory's config.json (atomically: a crash leaves the old one)."""
     path = Path(directory) / "config.json"
     tmp = path.with_suffix(".json.tmp")
@@ -197,8 +204,10 @@ def cut_draft_vocab(directory: str | Path, out: str | Path, n: int) -> Path:
     config, weights = read_checkpoint(directory)
     vocab = weights.get("draft_vocab")
     if config.vocab_order != "frequency" or vocab is None or not 0 < n < len(vocab):
-        raise ValueError(f"{directory}: cannot keep {n} draft tokens (it holds "
-                         f"{'none' if vocab is None else len(vocab)}, ordered by {config.vocab_order})")  # fmt: skip
+        raise ValueError(
+            f"{directory}: cannot keep {n} draft tokens (it holds "
+            f"{'none' if vocab is None else len(vocab)}, ordered by {config.vocab_order})"
+        )
     weights = {k: v[:n] if k in ("draft_vocab", "lm_head.weight") else v for k, v in weights.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,12 +217,12 @@ def cut_draft_vocab(directory: str | Path, out: str | Path, n: int) -> Path:
     return out
 
 
-def read_checkpoint(directory: str | Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+def read_checkpoint(directory: str | Path) -> tuple[CheckpointConfig, dict[str, torch.Tensor]]:
     """(config, weights) of a heads directory, or a ValueError in one line saying what is wrong."""
     directory = Path(directory)
     if not (directory / "model.safetensors").is_file():
         raise ValueError(f"{directory} is not a heads checkpoint (needs config.json and model.safetensors)")
-    config = HeadsConfig.read(directory)
+    config = CheckpointConfig.read(directory)
     try:
         weights = load_file(directory / "model.safetensors")
     except Exception as e:  # a truncated or foreign file: one line naming it

@@ -59,12 +59,18 @@ class EagleHead(nn.Module):
         """Refuse, in one line naming the model class, a target whose decoder layout the head cannot reuse."""
         decoder = model.get_decoder()
         layers = getattr(decoder, "layers", None)
-        missing = [what for what, ok in (
-            ("a decoder layer list", layers is not None),
-            ("a rotary embedding", hasattr(decoder, "rotary_emb")),
-            ("a decoder layer that takes `cache=`",
-             layers is not None and "cache" in inspect.signature(type(layers[0]).forward).parameters),
-        ) if not ok]  # fmt: skip
+        missing = [
+            what
+            for what, ok in (
+                ("a decoder layer list", layers is not None),
+                ("a rotary embedding", hasattr(decoder, "rotary_emb")),
+                (
+                    "a decoder layer that takes `cache=`",
+                    layers is not None and "cache" in inspect.signature(type(layers[0]).forward).parameters,
+                ),
+            )
+            if not ok
+        ]
         if missing:
             raise ValueError(f"EAGLE heads cannot be built for {type(model).__name__}: it lacks {', '.join(missing)}")
 

@@ -87,13 +87,30 @@ def draft_config(target: PretrainedConfig, draft_vocab: int, layer: dict | None 
 
 
 # What a published head's layer may set differently from the target's layers.
-LAYER_OVERRIDES = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                   "rope_parameters")  # fmt: skip
+LAYER_OVERRIDES = (
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_parameters",
+)
 LAYER_CONFIG_KEYS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "vocab_size",
-    "draft_vocab_size", "initializer_range",
-)  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+    "vocab_size",
+    "draft_vocab_size",
+    "initializer_range",
+)
 
 
 class Eagle3DecoderLayer(LlamaDecoderLayer):
@@ -125,9 +142,13 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2H)
         residual = normed if self.norm_before_residual else hidden
         attn, _ = self.self_attn(
-            hidden_states=x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            use_cache=cache is not None, position_embeddings=position_embeddings,
-        )  # fmt: skip
+            hidden_states=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
         s = residual + attn
         return s + self.mlp(self.post_attention_layernorm(s))
 

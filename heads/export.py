@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from headstart.heads.checkpoint import HeadsConfig, read_checkpoint, write_new_dir
+from headstart.heads.checkpoint import CheckpointConfig, read_checkpoint, write_new_dir
 from headstart.heads.eagle3 import VARIANT_FLAGS, engine_feature_layers
 from headstart.heads.kinds import get_kind
 
@@ -40,7 +40,7 @@ class ExportError(ValueError):
     """Heads that cannot be exported faithfully, or an unusable output folder."""
 
 
-def check_exportable(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> None:
+def check_exportable(config: CheckpointConfig, weights: dict[str, torch.Tensor]) -> None:
     refusal = get_kind(config.kind).export_refusal  # None: the kind is an EAGLE-3 head, in the engines' layout
     if refusal is not None:
         raise ExportError(refusal)
@@ -81,14 +81,19 @@ def engine_weights(weights: dict[str, torch.Tensor], vocab_size: int, layer_pref
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def layer_config(config: HeadsConfig, weights: dict[str, torch.Tensor]) -> dict:
+def layer_config(config: CheckpointConfig, weights: dict[str, torch.Tensor]) -> dict:
     """The draft layer's Llama config for the engines: the one the head was built with (saved by training)."""
     target = config.target
     llama = dict(config.draft_layer)
-    llama.update(model_type="llama", num_hidden_layers=config.options.get("num_layers", 1),
-                 vocab_size=target["vocab_size"], target_hidden_size=target["hidden_size"],
-                 draft_vocab_size=weights["lm_head.weight"].shape[0], tie_word_embeddings=False,
-                 torch_dtype=config.dtype)  # fmt: skip
+    llama.update(
+        model_type="llama",
+        num_hidden_layers=config.options.get("num_layers", 1),
+        vocab_size=target["vocab_size"],
+        target_hidden_size=target["hidden_size"],
+        draft_vocab_size=weights["lm_head.weight"].shape[0],
+        tie_word_embeddings=False,
+        torch_dtype=config.dtype,
+    )
     rope = llama.get("rope_parameters") or {}
     if "rope_theta" in rope:
         llama["rope_theta"] = rope["rope_theta"]  # older readers look for it at the top

@@ -75,8 +75,9 @@ def _medusa_build(model: nn.Module, **options) -> MedusaHeads:
 
 
 def _medusa_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
-    return losses.medusa_loss(module, hidden, tools.readout, batch["input_ids"], batch["loss_mask"],
-                              tools.options.num_heads, tools.to_draft)  # fmt: skip
+    return losses.medusa_loss(
+        module, hidden, tools.readout, batch["input_ids"], batch["loss_mask"], tools.options.num_heads, tools.to_draft
+    )
 
 
 def _medusa_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Tensor]:
@@ -91,8 +92,17 @@ def _unroll(cfg, step: int) -> int:
 
 def _eagle_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
     o = tools.options
-    loss, _ = losses.eagle_loss(module, hidden, tools.embed, tools.readout, batch["input_ids"], batch["loss_mask"],
-                                noise=o.feature_noise, ce_weight=o.ce_weight, unroll=_unroll(o, step))  # fmt: skip
+    loss, _ = losses.eagle_loss(
+        module,
+        hidden,
+        tools.embed,
+        tools.readout,
+        batch["input_ids"],
+        batch["loss_mask"],
+        noise=o.feature_noise,
+        ce_weight=o.ce_weight,
+        unroll=_unroll(o, step),
+    )
     return loss
 
 
@@ -130,27 +140,48 @@ def _eagle3_options(cfg) -> dict:
 
 
 MEDUSA = HeadKind(
-    "medusa", _medusa_build, "medusa", _medusa_loss, _medusa_depths, _medusa_options, static_tree=True,
+    "medusa",
+    _medusa_build,
+    "medusa",
+    _medusa_loss,
+    _medusa_depths,
+    _medusa_options,
+    static_tree=True,
     export_refusal="medusa heads cannot be exported: vLLM and SGLang load EAGLE-3 heads (vLLM 0.33 removed Medusa; "
     "SGLang never had it)",
-)  # fmt: skip
+)
 MEDUSA2 = HeadKind(  # Medusa heads + the LoRA on the target they trained with (train/medusa2.py trains both)
-    "medusa2", _medusa_build, "medusa2", None, _medusa_depths, _medusa_options, static_tree=True, trains_target=True,
+    "medusa2",
+    _medusa_build,
+    "medusa2",
+    None,
+    _medusa_depths,
+    _medusa_options,
+    static_tree=True,
+    trains_target=True,
     export_refusal="medusa2 heads cannot be exported: vLLM and SGLang load EAGLE-3 heads",
-)  # fmt: skip
+)
 EAGLE = HeadKind(
-    "eagle", EagleHead.for_target, "eagle", _eagle_loss, _eagle_depths,
+    "eagle",
+    EagleHead.for_target,
+    "eagle",
+    _eagle_loss,
+    _eagle_depths,
     export_refusal="EAGLE-1 heads cannot be exported faithfully: their fc has a bias (vLLM drops it) and they "
     "predict post-norm features; train an eagle3 head (heads.kind: eagle3)",
-)  # fmt: skip
+)
 EAGLE3 = HeadKind(
-    "eagle3", Eagle3Head.for_target, "eagle3", _eagle3_loss, _eagle3_depths,
+    "eagle3",
+    Eagle3Head.for_target,
+    "eagle3",
+    _eagle3_loss,
+    _eagle3_depths,
     training_options=_eagle3_options,
     saved_options=lambda head: {"layers": list(head.feature_layers), **head.variant(changed_only=True)},
     prepare=lambda head, model: head.init_lm_head(model.get_output_embeddings()),
     feature_layers=lambda head: (*head.feature_layers, -1),  # and the final feature, for p
     export_refusal=None,
-)  # fmt: skip
+)
 KINDS: dict[str, HeadKind] = {kind.name: kind for kind in (MEDUSA, MEDUSA2, EAGLE, EAGLE3)}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from headstart.heads.checkpoint import (
-    HeadsConfig,
+    CheckpointConfig,
     build_heads,
     cast_floats,
     check_fingerprint,
@@ -20,7 +20,7 @@ from headstart.heads.published import adopt, detect_layout, read_published
 
 def load_heads(
     directory: str | Path, model: nn.Module, tokenizer=None, allow_adapter_mismatch: bool = False
-) -> tuple[nn.Module, HeadsConfig]:
+) -> tuple[nn.Module, CheckpointConfig]:
     """Load heads from `directory` onto the target `model`; returns (module, config). A directory in a published
     layout (`heads/published.py`) is read as such and checked against `model`."""
     if detect_layout(directory) != "headstart":

@@ -19,7 +19,7 @@ Layouts, recognised by their files and config.json (`detect_layout`), each with 
   of layer k = hidden state k + 1); null or absent: (2, N//2, N-3).
 
 A published draft vocabulary is ordered by token id, not by frequency, so imported heads read out every
-draft token (`HeadsConfig.vocab_order`). Pickled files are read with `torch.load(weights_only=True)`: a pickle
+draft token (`CheckpointConfig.vocab_order`). Pickled files are read with `torch.load(weights_only=True)`: a pickle
 holding anything but tensors is refused. Published heads carry no per-rank accuracies: Medusa trees then come
 from a prior (`runtime/tree.py`, `prior_rank_accuracy`), EAGLE trees grow dynamically, until `headstart
 calibrate` measures them on the user's prompts.
@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from headstart.heads.checkpoint import HeadsConfig, build_heads, save_heads, target_fingerprint
+from headstart.heads.checkpoint import CheckpointConfig, build_heads, save_heads, target_fingerprint
 from headstart.heads.eagle3 import LAYER_OVERRIDES, VARIANT_FLAGS, draft_config, engine_feature_layers
 from headstart.heads.export import write_new_dir
 
@@ -105,8 +105,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise PublishedHeadsError(f"{path} is refused: its pickle holds more than tensors "
-                                  f"({str(e).splitlines()[0][:160]})") from None  # fmt: skip
+        raise PublishedHeadsError(
+            f"{path} is refused: its pickle holds more than tensors ({str(e).splitlines()[0][:160]})"
+        ) from None
     except Exception as e:  # truncated, foreign: one line naming the file
         raise PublishedHeadsError(f"cannot read {path}: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
@@ -157,7 +158,7 @@ def heads_kind(directory: str | Path) -> str:
     """The head kind (medusa, medusa2, eagle, eagle3) of the heads in `directory`, in any layout."""
     layout = detect_layout(directory)
     if layout == "headstart":
-        return HeadsConfig.read(directory).kind
+        return CheckpointConfig.read(directory).kind
     return "eagle3" if layout.startswith("eagle3") else layout
 
 
@@ -200,8 +201,15 @@ def _medusa(directory: Path, config: dict | None) -> Published:
     if said is not None and said != heads:
         notes.append(f"its config says {said} heads, its file holds {heads}: the file is read")
     options = {"num_heads": heads, "own_lm_head": True, **({"num_layers": layers} if layers != 1 else {})}
-    return Published("medusa", "medusa", options, weights, base_model=(config or {}).get("base_model_name_or_path"),
-                     vocab_size=weights["lm_heads.0.weight"].shape[0], notes=notes)  # fmt: skip
+    return Published(
+        "medusa",
+        "medusa",
+        options,
+        weights,
+        base_model=(config or {}).get("base_model_name_or_path"),
+        vocab_size=weights["lm_heads.0.weight"].shape[0],
+        notes=notes,
+    )
 
 
 def _eagle(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Published:
@@ -219,8 +227,9 @@ def _eagle(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> P
         elif name != "embed_tokens.weight":
             raise PublishedHeadsError(f"{directory} holds '{name}', which an EAGLE-1/2 head does not have")
     options = {} if "fc.bias" in tensors else {"fc_bias": False}
-    return Published("eagle", "eagle", options, weights, embed=embed,
-                     vocab_size=None if embed is None else embed.shape[0])  # fmt: skip
+    return Published(
+        "eagle", "eagle", options, weights, embed=embed, vocab_size=None if embed is None else embed.shape[0]
+    )
 
 
 def _layer_config(config: dict, layout: str) -> dict:
@@ -229,21 +238,23 @@ def _layer_config(config: dict, layout: str) -> dict:
 
 # Every key an EAGLE-3 config.json of the three dialects may hold: used (they change the drafts), or inert (they
 # do not). Any other key, or an inert key set to a value that would change the drafts, is refused in one line.
-# (the two lists below are lists of names: `fmt: skip` keeps them a few lines long, not a line a name)
-EAGLE3_USED = frozenset({
-    "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "eagle_config", "norm_before_residual", "fc_norm",
-    "norm_before_fc", "norm_output", "transformer_layer_config", "speculators_config", "target_hidden_size",
-    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "num_hidden_layers",
-})  # fmt: skip
-EAGLE3_INERT = frozenset({
-    "architectures", "model_type", "auto_map", "speculators_model_type", "speculators_version", "embed_requires_grad",
-    "max_position_embeddings", "initializer_range", "tie_word_embeddings", "use_cache", "attention_dropout",
-    "pretraining_tp", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
-    "pad_token_id", "enable_sp_ulysses", "layer_types", "max_window_layers",
-    "use_aux_hidden_state",  # false is refused below
-    "num_aux_hidden_states",  # the fc's shape and the fused ids say it
-})  # fmt: skip
+EAGLE3_USED = frozenset(
+    (
+        "draft_vocab_size eagle_aux_hidden_state_layer_ids eagle_config norm_before_residual fc_norm "
+        "norm_before_fc norm_output transformer_layer_config speculators_config target_hidden_size "
+        "vocab_size hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
+        "rms_norm_eps rope_theta rope_scaling rope_parameters num_hidden_layers"
+    ).split()
+)
+# use_aux_hidden_state: false is refused below; num_aux_hidden_states: the fc's shape and the fused ids say it
+EAGLE3_INERT = frozenset(
+    (
+        "architectures model_type auto_map speculators_model_type speculators_version embed_requires_grad "
+        "max_position_embeddings initializer_range tie_word_embeddings use_cache attention_dropout "
+        "pretraining_tp torch_dtype dtype transformers_version bos_token_id eos_token_id pad_token_id "
+        "enable_sp_ulysses layer_types max_window_layers use_aux_hidden_state num_aux_hidden_states"
+    ).split()
+)
 # inert only at these values (another value changes the drafts, and headstart does not build it)
 EAGLE3_INERT_AT = {
     "hidden_act": ("silu",),
@@ -379,8 +390,16 @@ def _eagle3(directory: Path, config: dict, tensors: dict[str, torch.Tensor], lay
     if extra:
         options["num_layers"] = 1 + len(extra)
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    return Published(layout, "eagle3", options, weights, embed=embed, base_model=verifier, vocab_size=vocab_size,
-                     layer=_layer_config(config, layout))  # fmt: skip
+    return Published(
+        layout,
+        "eagle3",
+        options,
+        weights,
+        embed=embed,
+        base_model=verifier,
+        vocab_size=vocab_size,
+        layer=_layer_config(config, layout),
+    )
 
 
 def read_published(directory: str | Path) -> Published:
@@ -413,7 +432,7 @@ def _layer_overrides(layer: dict, target) -> dict:
     return {k: v for k, v in theirs.items() if v is not None and ours.get(k) != v}
 
 
-def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "") -> tuple[HeadsConfig, dict]:
+def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "") -> tuple[CheckpointConfig, dict]:
     """(config, weights) of `published` as heads of `model`: refused in one line, naming both sides, when they do
     not fit it (hidden size, vocabulary, fused layers, embedding shape); warned about when its config names
     another base model or its stored embedding differs from the target's."""
@@ -422,8 +441,10 @@ def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "
     w = published.weights
 
     def refuse(what: str, theirs, ours) -> None:
-        raise PublishedHeadsError(f"{name} ({published.layout}) do not fit the target: {what} {theirs} in the heads, "
-                                  f"{ours} in {type(model).__name__}")  # fmt: skip
+        raise PublishedHeadsError(
+            f"{name} ({published.layout}) do not fit the target: {what} {theirs} in the heads, "
+            f"{ours} in {type(model).__name__}"
+        )
 
     if published.vocab_size is not None and published.vocab_size != vocab:
         refuse("vocabulary", published.vocab_size, vocab)
@@ -456,16 +477,25 @@ def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "
             refuse("embedding of shape", tuple(published.embed.shape), tuple(ours.shape))
         diff = float((published.embed.float() - ours.float().cpu()).abs().max())
         if diff > EMBED_TOLERANCE:
-            warnings.warn(f"{name}: the stored embedding differs from the target's (largest difference {diff:.3g}); "
-                          "the target's is used", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{name}: the stored embedding differs from the target's (largest difference {diff:.3g}); "
+                "the target's is used",
+                stacklevel=2,
+            )
     fingerprint = target_fingerprint(model, tokenizer)
     base = published.base_model
     if base and Path(base).name.lower() != Path(fingerprint["name"]).name.lower():
         warnings.warn(f"{name} name {base} as their base model; the target is {fingerprint['name']}", stacklevel=2)
     for note in published.notes:
         warnings.warn(f"{name}: {note}", stacklevel=2)
-    config = HeadsConfig(kind=published.kind, target=fingerprint, options=options, dtype="float32",
-                         vocab_order="token_id", extra={"imported_from": published.layout})  # fmt: skip
+    config = CheckpointConfig(
+        kind=published.kind,
+        target=fingerprint,
+        options=options,
+        dtype="float32",
+        vocab_order="token_id",
+        extra={"imported_from": published.layout},
+    )
     return config, dict(w)
 
 
@@ -479,5 +509,6 @@ def convert_heads(src: str | Path, out: str | Path, model: nn.Module, tokenizer=
         raise PublishedHeadsError(f"{src}: tensors missing {missing[:3]} / unexpected {unexpected[:3]}")
     dtype = str(next(t for t in weights.values() if t.is_floating_point()).dtype).removeprefix("torch.")
     extra = {k: v for k, v in config.to_json().items() if k not in ("kind", "target", "options")}
-    return write_new_dir(out, lambda tmp: save_heads(tmp, heads, config.kind, config.options, config.target,
-                                                     {**extra, "dtype": dtype}))  # fmt: skip
+    return write_new_dir(
+        out, lambda tmp: save_heads(tmp, heads, config.kind, config.options, config.target, {**extra, "dtype": dtype})
+    )

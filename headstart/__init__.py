@@ -27,8 +27,17 @@ _PUBLIC = {
     "make_drafter": "headstart.runtime.drafters.registry",
     "load_model": "headstart.runtime.models",
 }
-__all__ = ["DraftTree", "Drafter", "Engine", "GenerationStats", "Result", "SamplingParams", "__version__", "load_model",
-           "make_drafter"]  # fmt: skip
+__all__ = [
+    "DraftTree",
+    "Drafter",
+    "Engine",
+    "GenerationStats",
+    "Result",
+    "SamplingParams",
+    "__version__",
+    "load_model",
+    "make_drafter",
+]
 
 if TYPE_CHECKING:
     from headstart.runtime.drafters.base import Drafter

@@ -13,11 +13,11 @@ import warnings
 from collections.abc import Sequence
 
 from headstart import __version__
-from headstart.commands import bench, data, decode, heads, serving
+from headstart.commands import bench, checkpoints, data, decode, serving
 from headstart.commands.common import Parser, UserError, with_flags
 from headstart.extras import COMMANDS, MissingExtraError, require
 
-GROUPS = (decode, bench, data, serving, heads)  # each registers its subcommands (`add_parsers`)
+GROUPS = (decode, bench, data, serving, checkpoints)  # each registers its subcommands (`add_parsers`)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,9 +22,15 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("accelerate", "datasets", "wandb", "yaml", "matplotlib", "httpx"),
 }
 COMMANDS = {  # headstart subcommands that need an extra
-    "serve": "serve", "loadtest": "serve", "bench": "bench", "check": "bench",
-    "distill": "train", "drift": "train", "report": "train", "score": "train",
-}  # fmt: skip
+    "serve": "serve",
+    "loadtest": "serve",
+    "bench": "bench",
+    "check": "bench",
+    "distill": "train",
+    "drift": "train",
+    "report": "train",
+    "score": "train",
+}
 
 
 class MissingExtraError(ImportError):
@@ -47,5 +53,6 @@ def require(extra: str, what: str) -> None:
     """Raise MissingExtraError (one line) when `extra`'s modules are not all installed; `what` needs them."""
     missing = missing_modules(EXTRAS[extra])
     if missing:
-        raise MissingExtraError(f"{what} needs the '{extra}' extra ({', '.join(missing)} not installed): "
-                                f"pip install 'headstart[{extra}]'")  # fmt: skip
+        raise MissingExtraError(
+            f"{what} needs the '{extra}' extra ({', '.join(missing)} not installed): pip install 'headstart[{extra}]'"
+        )

@@ -72,8 +72,9 @@ def apply_adapter(model: Any, directory: str | Path, merge: bool = True) -> Any:
             adapted = PeftModel.from_pretrained(model, str(directory), is_trainable=False)
     except Exception as e:  # weights of other shapes, modules the model lacks: one line naming both
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
-        raise AdapterError(f"cannot apply the adapter in {directory} to {name}: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200]}") from e  # fmt: skip
+        raise AdapterError(
+            f"cannot apply the adapter in {directory} to {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        ) from e
     model = adapted.merge_and_unload() if merge else adapted
     model.config.headstart_adapter = sha
     return model.eval().requires_grad_(False)

@@ -161,8 +161,14 @@ def decode_batched(
         positions = torch.arange(start, start + width)[None].expand(len(ids), width)  # padding: overwritten later
         cache.feed(first, positions)
         padded = torch.tensor([x + [x[-1]] * (width - len(x)) for x in ids], device=device)
-        model(input_ids=padded, attention_mask=slot_masks(layout, positions, start + width, dtype, device),
-              position_ids=positions.to(device), cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        model(
+            input_ids=padded,
+            attention_mask=slot_masks(layout, positions, start + width, dtype, device),
+            position_ids=positions.to(device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
 
     shared = _common_prefix(requests) if share_prefix else 0
     if shared:
@@ -184,8 +190,9 @@ def decode_batched(
             rest = None if i is None else requests[i][shared:-1]
             if group and (i is None or _too_wide(len(rest), [len(requests[g]) - 1 - shared for g in group])):
                 if any(len(requests[g]) - 1 > shared for g in group):
-                    forward([requests[g][shared:-1] or [requests[g][-1]] for g in group], first + n - len(group),
-                            shared)  # fmt: skip
+                    forward(
+                        [requests[g][shared:-1] or [requests[g][-1]] for g in group], first + n - len(group), shared
+                    )
                 group = []
             if i is not None:
                 group.append(i)
@@ -196,9 +203,13 @@ def decode_batched(
             prefill(free)
         positions = torch.tensor([[s.cached] for s in live])  # (r, 1)
         cache.feed(0, positions)
-        out = model(input_ids=torch.tensor([[s.root] for s in live], device=device),
-                    attention_mask=slot_masks(layout, positions, cache.kv_len, dtype, device),
-                    position_ids=positions.to(device), cache=cache, use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=torch.tensor([[s.root] for s in live], device=device),
+            attention_mask=slot_masks(layout, positions, cache.kv_len, dtype, device),
+            position_ids=positions.to(device),
+            cache=cache,
+            use_cache=True,
+        )
         logits = out.logits[:, -1].float()  # (r, V); float32's argmax is also the faster one on CPU
         if temperature == 0:
             chosen = logits.argmax(-1).tolist()

@@ -227,8 +227,18 @@ def run_bench(
             for e in {id(e): e for e in [engine, *engines.values()]}.values():
                 timing.enter_context(e.target.timing_lm_head())
         for temperature, i in tqdm(jobs, desc="bench", unit="prompt", dynamic_ncols=True):
-            records += _bench_prompt(engine, engines, methods, drafters, prompts[i], encoded[i],
-                                     SamplingParams(temperature), max_new_tokens, seed, breakdown)  # fmt: skip
+            records += _bench_prompt(
+                engine,
+                engines,
+                methods,
+                drafters,
+                prompts[i],
+                encoded[i],
+                SamplingParams(temperature),
+                max_new_tokens,
+                seed,
+                breakdown,
+            )
     return records
 
 
@@ -245,9 +255,24 @@ def _bench_prompt(engine, engines, methods, drafters, prompt, ids, sampling, max
         phases = None
         if breakdown and run.stats is not None:
             phases = phase_breakdown(run.stats, run.seconds, _detokenise_s(runs_on, run.chunks))
-        records.append(Record(method, prompt.id, prompt.category, sampling.temperature, len(run.tokens), run.seconds,
-                              run.target_passes, run.draft_ms, run.verify_ms, same if adapter is None else None,
-                              run.tokens, run.accepted_per_depth, adapter, phases))  # fmt: skip
+        records.append(
+            Record(
+                method,
+                prompt.id,
+                prompt.category,
+                sampling.temperature,
+                len(run.tokens),
+                run.seconds,
+                run.target_passes,
+                run.draft_ms,
+                run.verify_ms,
+                same if adapter is None else None,
+                run.tokens,
+                run.accepted_per_depth,
+                adapter,
+                phases,
+            )
+        )
     return records
 
 
@@ -262,8 +287,9 @@ def method_engines(engine: Engine, options: dict[str, dict]) -> dict[str, Engine
             continue
         if adapter not in loaded:
             dtype = str(engine.target.dtype).removeprefix("torch.")
-            loaded[adapter] = Engine.load(engine.model_name, dtype, "none", str(engine.target.device), engine.profile,
-                                          adapter)  # fmt: skip
+            loaded[adapter] = Engine.load(
+                engine.model_name, dtype, "none", str(engine.target.device), engine.profile, adapter
+            )
         engines[method] = loaded[adapter]
     return engines
 
@@ -328,10 +354,26 @@ def report_wandb(table: dict, meta: dict, out_dir: Path, run_name: str | None = 
                     metrics[f"{key}/{name}"] = f[name]
             for d, share in enumerate(f["acceptance_per_depth"] or [], 1):
                 metrics[f"{key}/head_{d}/acceptance"] = share
-            rows.append([method, category, temperature, f["tokens_per_s"], f["speedup_vs_plain"],
-                         f["acceptance_length"], json.dumps(f["acceptance_per_depth"])])  # fmt: skip
-    columns = ["method", "category", "temperature", "tokens_per_s", "speedup_vs_plain", "acceptance_length",
-               "acceptance_per_depth"]  # fmt: skip
+            rows.append(
+                [
+                    method,
+                    category,
+                    temperature,
+                    f["tokens_per_s"],
+                    f["speedup_vs_plain"],
+                    f["acceptance_length"],
+                    json.dumps(f["acceptance_per_depth"]),
+                ]
+            )
+    columns = [
+        "method",
+        "category",
+        "temperature",
+        "tokens_per_s",
+        "speedup_vs_plain",
+        "acceptance_length",
+        "acceptance_per_depth",
+    ]
     run.log({**metrics, "bench": wandb.Table(columns=columns, data=rows)})
     run.summary.update(metrics)
     where = f"W&B run {run.name} ({mode}, {run.dir})"
@@ -390,14 +432,19 @@ def breakdown_markdown(records: list[Record]) -> str:
         round_ms[(temperature, method)] = sum(ms.values())
         rows.append((temperature, method, ms, sum(r.new_tokens for r in rs) / max(passes, 1)))
     head = " | ".join(BREAKDOWN)
-    lines = [f"| T | method | {head} | round ms | plain steps | acceptance length | speedup | forward-only ceiling |",
-             "| ---: | --- |" + " ---: |" * (len(BREAKDOWN) + 5)]  # fmt: skip
+    lines = [
+        f"| T | method | {head} | round ms | plain steps | acceptance length | speedup | forward-only ceiling |",
+        "| ---: | --- |" + " ---: |" * (len(BREAKDOWN) + 5),
+    ]
     for temperature, method, ms, tau in sorted(rows, key=lambda row: row[0]):
         plain = round_ms.get((temperature, "plain"))
         total = round_ms[(temperature, method)]
         forward = sum(ms[k] for k in FORWARD)
-        ratios = f"{total / plain:.2f} | {tau:.2f} | {tau * plain / total:.2f} | {tau * plain / forward:.2f}" \
-            if plain and total and forward else f"– | {tau:.2f} | – | –"  # fmt: skip
+        ratios = (
+            f"{total / plain:.2f} | {tau:.2f} | {tau * plain / total:.2f} | {tau * plain / forward:.2f}"
+            if plain and total and forward
+            else f"– | {tau:.2f} | – | –"
+        )
         cells = " | ".join(f"{ms[k]:.2f}" for k in BREAKDOWN)
         lines.append(f"| {temperature} | {method} | {cells} | {total:.1f} | {ratios} |")
     return "\n".join(lines) + "\n"
@@ -428,8 +475,9 @@ def chart(table: dict, path: Path, title: str = "") -> Path:
         cats = [*sorted(c for t, c in table if t == temperature and c != "overall"), "overall"]
         methods = [m for m in table[(temperature, "overall")] if m not in ("plain", "hf")]
         width = 0.8 / max(len(methods), 1)
-        for col, (key, label) in enumerate([("speedup_vs_plain", "speedup over plain"),
-                                            ("acceptance_length", "acceptance length")]):  # fmt: skip
+        for col, (key, label) in enumerate(
+            [("speedup_vs_plain", "speedup over plain"), ("acceptance_length", "acceptance length")]
+        ):
             ax = axes[row][col]
             for j, method in enumerate(methods):
                 values = [table[(temperature, c)].get(method, {}).get(key) or 0.0 for c in cats]

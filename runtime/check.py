@@ -39,8 +39,10 @@ def check_identity(model_name: str, device: str, prompts: list[str], max_new_tok
         options = {"layerskip": {"draft_layers": DRAFT_LAYERS}, "model": {"draft_model": str(draft)}}
         for name in DRAFTERS:
             drafter = engine.make_drafter(name, **options.get(name, {}))
-            same = sum(engine.generate(ids, max_new_tokens=max_new_tokens, drafter=drafter).token_ids == ref
-                       for ids, ref in zip(encoded, reference, strict=True))  # fmt: skip
+            same = sum(
+                engine.generate(ids, max_new_tokens=max_new_tokens, drafter=drafter).token_ids == ref
+                for ids, ref in zip(encoded, reference, strict=True)
+            )
             results[name] = f"{same}/{len(prompts)}"
             print(f"identity  {name:14s} {results[name]}", flush=True)
     return results
@@ -52,8 +54,15 @@ def _generate(model, ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def run_check(model_name: str, device: str, prompts_file: str, identity_prompts: int, bench_prompts: int,
-              max_new_tokens: int, out: str) -> int:  # fmt: skip
+def run_check(
+    model_name: str,
+    device: str,
+    prompts_file: str,
+    identity_prompts: int,
+    bench_prompts: int,
+    max_new_tokens: int,
+    out: str,
+) -> int:
     t0 = time.perf_counter()
     prompts = load_prompts(prompts_file, limit=max(identity_prompts, bench_prompts))
     print(f"headstart check: {model_name} on {device} ({torch.__version__})", flush=True)

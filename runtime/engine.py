@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.heads.checkpoint import HeadsConfig
-from headstart.runtime.calibrate import LiveSizer, TreeChoice, choose_kernels, cost_curve
+from headstart.heads.checkpoint import CheckpointConfig
+from headstart.runtime.cost_curve import LiveSizer, TreeChoice, choose_kernels, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
 from headstart.runtime.generate import GenerationStats, stream
@@ -96,8 +96,11 @@ class Engine:
         if adapter is None:
             adapter = heads_adapter(drafter, model, options.get("heads"))
             if adapter is not None:  # the target changes: say so (its answers are base + adapter's, not base's)
-                print(f"headstart: the {drafter} heads carry the LoRA adapter they were trained with: the target is "
-                      f"{model} + {adapter}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"headstart: the {drafter} heads carry the LoRA adapter they were trained with: the target is "
+                    f"{model} + {adapter}",
+                    file=sys.stderr,
+                )
         hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
         engine = cls(hf_model, tokenizer, model_name=model, profile=profile, adapter=adapter, prepack=prepack)
         engine.drafter = engine.make_drafter(drafter, **options)
@@ -120,8 +123,9 @@ class Engine:
             sized = {"budget": greedy.budget, "sampled_budget": sampled.budget, "depth": greedy.depth}
             takes = option_names(spec)
             options = {**options, **{k: v for k, v in sized.items() if k in takes and options.get(k) is None}}
-        drafter = make_drafter(spec, self.target.model, self.tokenizer, model_name=self.model_name,
-                               profile=self.profile, **options)  # fmt: skip
+        drafter = make_drafter(
+            spec, self.target.model, self.tokenizer, model_name=self.model_name, profile=self.profile, **options
+        )
         heads = getattr(drafter, "inner", drafter)  # a graft's heads
         if sizer is not None and hasattr(heads, "resize") and all(given.get(k) is None for k in sized):
             heads.resize(sampled, sampled=True)  # the sampled shape as the sizer has it now
@@ -129,7 +133,7 @@ class Engine:
         return drafter
 
     def tree_choice(self, spec: str, **options: Any) -> TreeChoice | None:
-        """The calibrated greedy tree of `spec` as it stands (`runtime/calibrate.py`): None when a profile or a
+        """The calibrated greedy tree of `spec` as it stands (`runtime/cost_curve.py`): None when a profile or a
         budget was given, when the drafter has no trained heads, or their config holds no per-rank accuracies."""
         sizer = self._sizer(spec, **options)
         return sizer.choice[False] if sizer is not None else None
@@ -140,7 +144,7 @@ class Engine:
         if self.profile is not None or options.get("budget") is not None or base not in CALIBRATED:
             return None
         heads = heads_dir(base, options.get("heads"), self.model_name)
-        config = HeadsConfig.find(heads)
+        config = CheckpointConfig.find(heads)
         accuracy = config.measured_accuracy if config is not None else None
         if not accuracy:
             return None
@@ -160,8 +164,9 @@ class Engine:
         own = {k: v for k, v in options.items() if k in option_names(base) and k not in sizes}
         if "min_prob" in option_names(base):
             own["min_prob"] = 0.0  # every depth drafted, so the time divides by the depth
-        drafter = make_drafter(base, self.target.model, self.tokenizer, model_name=self.model_name,
-                               profile=self.profile, **own)  # fmt: skip
+        drafter = make_drafter(
+            base, self.target.model, self.tokenizer, model_name=self.model_name, profile=self.profile, **own
+        )
         vocab, gen = self.target.model.config.vocab_size, torch.Generator().manual_seed(0)
         prompt = torch.randint(0, vocab, (64,), generator=gen).tolist()
         stats = GenerationStats()
@@ -201,8 +206,9 @@ class Engine:
         `drafter` None: the engine's own.
         """
         decoder = TextDecoder(self.tokenizer, stop)
-        rounds = stream(self.target, prompt_ids, drafter or self.drafter, sampling, max_new_tokens, self.eos_ids,
-                        seed, stats)  # fmt: skip
+        rounds = stream(
+            self.target, prompt_ids, drafter or self.drafter, sampling, max_new_tokens, self.eos_ids, seed, stats
+        )
         finish = "length"
         for chunk in rounds:
             before = decoder.snapshot() if stop else decoder

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from headstart.runtime.accept import accept_path
 from headstart.runtime.drafters.base import Drafter
-from headstart.runtime.sampling import Sampler, SamplingParams
+from headstart.runtime.sampling import Rng, SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 
@@ -86,7 +86,7 @@ def stream(
     drafter = drafter or Drafter()
     sampling = sampling or SamplingParams()
     stats = stats if stats is not None else GenerationStats()
-    rng = Sampler(seed, device=target.device)
+    rng = Rng(seed, device=target.device)
     t_start = time.perf_counter()
 
     prompt_hidden = target.prefill(prompt_ids[:-1], drafter.feature_layers)

@@ -12,7 +12,7 @@ pass does, without compiling anything):
   count: a copy per bucket of `ROW_BUCKETS`, and `Target.verify` pads a tree to the next bucket; one row keeps
   the stock kernel (a GEMV reads the plain layout best), and so do row counts past the last bucket. Or
   oneDNN's ("onednn"), one copy for every row count, as in bfloat16. Which is cheaper depends on the CPU:
-  `runtime/calibrate.choose_kernels` times both on the whole target once per machine (an AVX2-only AMD EPYC:
+  `runtime/cost_curve.choose_kernels` times both on the whole target once per machine (an AVX2-only AMD EPYC:
   oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 / 8 rows, MKL 69 / 112 / 112 / 154).
 
 Measured on an earlier round's 2-core CPU with AVX-512 (SmolLM2-135M, 256 cached tokens, ms per forward): float32

@@ -56,7 +56,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-class Sampler:
+class Rng:
     """The only source of randomness of a decode: a seeded `torch.Generator` behind two calls.
 
     Tests substitute an object with the same two methods to enumerate every random outcome.

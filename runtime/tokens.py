@@ -24,13 +24,17 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]])
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template; pass the prompt raw")
     marks = [f"\x00{i}\x00" for i in range(len(messages))]
-    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
-                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     ids: list[int] = []
     for i, piece in enumerate(re.split("\x00(\\d+)\x00", text)):
         if i % 2:  # a message's content
-            ids += tokenizer(messages[int(piece)]["content"], add_special_tokens=False,
-                             split_special_tokens=True).input_ids  # fmt: skip
+            ids += tokenizer(
+                messages[int(piece)]["content"], add_special_tokens=False, split_special_tokens=True
+            ).input_ids
         elif piece:
             ids += tokenizer(piece, add_special_tokens=False).input_ids
     return ids

@@ -14,8 +14,11 @@ from helpers.models import WORDS, tiny_llama, tiny_tokenizer
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--no-prepack", action="store_true",
-                     help="every Target on the stock kernels (make test runs exactness tests both ways)")  # fmt: skip
+    parser.addoption(
+        "--no-prepack",
+        action="store_true",
+        help="every Target on the stock kernels (make test runs exactness tests both ways)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from headstart.runtime.accept import accept_path
-from headstart.runtime.sampling import Sampler, SamplingParams, target_probs
+from headstart.runtime.sampling import Rng, SamplingParams, target_probs
 from headstart.runtime.tree import DraftTree
 from helpers.stats import chi_square_pvalue
 
@@ -218,7 +218,7 @@ def test_greedy_accepts_the_argmax_path():
     params = SamplingParams(0.0)
     tree = point_mass_tree()
     rows = target_rows(tree.tokens)
-    acc = accept_path(tree, rows, params, Sampler(0))
+    acc = accept_path(tree, rows, params, Rng(0))
     # walk by hand: at each node take the child equal to the target's argmax
     row, expected = 0, []
     while True:
@@ -232,13 +232,13 @@ def test_greedy_accepts_the_argmax_path():
 
 
 def test_chi_square_sampled_rounds():
-    """20,000 rounds with the real Sampler, drafts sampled from q: first two output tokens vs the target.
+    """20,000 rounds with the real Rng, drafts sampled from q: first two output tokens vs the target.
 
     Fails when the chi-square p-value is below 1e-3: a correct implementation fails with probability
     0.1 % per seed (the seed is fixed, so the outcome is reproducible).
     """
     params = SamplingParams(1.0)
-    rng = Sampler(seed=1234)
+    rng = Rng(seed=1234)
     counts = torch.zeros(V, V + 1)  # second index V: the round ended after one token
     for _ in range(20_000):
         tokens, rows = [], []

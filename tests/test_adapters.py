@@ -28,8 +28,9 @@ def save_lora(model_dir, out, seed: int, config=None) -> str:
     """A LoRA adapter with random, non-zero A and B (init_lora_weights=False) for the model in `model_dir`."""
     base, _ = load_model(str(model_dir))
     torch.manual_seed(seed)
-    config = config or LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                  init_lora_weights=False)  # fmt: skip
+    config = config or LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
     get_peft_model(base, config).save_pretrained(out)
     return str(out)
 
@@ -58,9 +59,14 @@ def adapted_heads(tiny_model_dir, adapters, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapted-heads")
     model, _ = load_model(str(tiny_model_dir), adapter=adapters["a"])
     rows = greedy_rows(model, [*PROMPTS, [7, 8, 9, 30, 31]], 24)
-    return {kind: str(fit_heads(root / kind, tiny_model_dir, kind, rows, **{"target.adapter": adapters["a"],
-                                                                             "heads.draft_vocab": 0}))
-            for kind in ("medusa", "eagle", "eagle3")}  # fmt: skip
+    return {
+        kind: str(
+            fit_heads(
+                root / kind, tiny_model_dir, kind, rows, **{"target.adapter": adapters["a"], "heads.draft_vocab": 0}
+            )
+        )
+        for kind in ("medusa", "eagle", "eagle3")
+    }
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "live"])
@@ -99,15 +105,31 @@ def test_heads_are_bound_to_their_adapter(tiny_model_dir, adapters, tmp_path):
 
 def test_unusable_adapters_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
     def refuse(adapter, message):
-        code = cli(["generate", "--model", str(tiny_model_dir), "--prompt", "the cat", "--max-new-tokens", "4",
-                    "--raw", "--adapter", str(adapter)])  # fmt: skip
+        code = cli(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "the cat",
+                "--max-new-tokens",
+                "4",
+                "--raw",
+                "--adapter",
+                str(adapter),
+            ]
+        )
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("headstart: error")]
         assert code == 2 and len(errors) == 1 and message in errors[0], errors
 
     (tmp_path / "empty").mkdir()
     refuse(tmp_path / "empty", "is not a peft adapter directory (needs adapter_config.json")
-    ia3 = save_lora(tiny_model_dir, tmp_path / "ia3", 0, IA3Config(target_modules=["k_proj", "down_proj"],
-                                                                   feedforward_modules=["down_proj"]))  # fmt: skip
+    ia3 = save_lora(
+        tiny_model_dir,
+        tmp_path / "ia3",
+        0,
+        IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    )
     refuse(ia3, "holds a IA3 adapter; headstart applies LoRA adapters only")
     other = tmp_path / "other-base"  # a LoRA made for a wider model: its weights do not fit
     wide = tiny_llama(vocab_size=len(WORDS))
@@ -134,8 +156,23 @@ def test_bench_methods_take_the_adapter(tiny_model_dir, adapters, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "1", "category": "a", "turns": ["the cat sat on the mat"]}\n')
     out = tmp_path / "out"
-    args = ["bench", "--model", str(tiny_model_dir), "--adapter", adapters["a"], "--dtype", "float32", "--prompts",
-            str(prompts), "--methods", "plain,hf,lookup", "--max-new-tokens", "12", "--out", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_model_dir),
+        "--adapter",
+        adapters["a"],
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(prompts),
+        "--methods",
+        "plain,hf,lookup",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+    ]
     assert cli(args) == 0
     records = json.loads(next((tmp_path / "out").glob("bench-*.json")).read_text())["records"]
     assert all(r["same_as_plain"] for r in records if r["method"] != "plain")

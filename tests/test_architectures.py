@@ -28,8 +28,15 @@ from helpers.models import tiny_tokenizer
 from helpers.training import greedy_rows
 
 WINDOW = 16
-COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              max_position_embeddings=512, initializer_range=0.3)  # fmt: skip
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+)
 SLIDING_MIXED = ["sliding_attention", "sliding_attention", "full_attention"]
 FAMILIES = {
     "llama": lambda: tf.LlamaConfig(num_key_value_heads=2, **COMMON),
@@ -45,8 +52,10 @@ FAMILIES = {
 }
 KINDS = ["medusa", "medusa2", "eagle", "eagle3"]
 DRAFTERS = ["none", "lookup", "layerskip", "model", *KINDS, *(f"{kind}+lookup" for kind in KINDS)]
-REFUSED = {("gpt_neox", "eagle"): "EAGLE heads cannot be built for GPTNeoXForCausalLM: it lacks a decoder layer that "
-           "takes `cache=`"}  # fmt: skip
+REFUSED = {
+    ("gpt_neox", "eagle"): "EAGLE heads cannot be built for GPTNeoXForCausalLM: it lacks a decoder layer that "
+    "takes `cache=`"
+}
 PROMPTS = [[5, 9, 3, 17, 22, 8, 41, 3, 17, 22, 8], [60, 12, 60, 12, 60, 7]]
 NEW_TOKENS = 3 * WINDOW  # prompt + answer pass twice the window
 

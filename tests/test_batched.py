@@ -21,8 +21,9 @@ def _requests(n: int = 14, seed: int = 1) -> list[list[int]]:
 
 
 def _generate(model, ids: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
-                         pad_token_id=0)[0, len(ids):].tolist()  # fmt: skip
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0
+    )[0, len(ids) :].tolist()
     return out[: out.index(EOS) + 1] if EOS in out else out
 
 

@@ -76,8 +76,9 @@ def test_bench_method_variants_layerskip_n(tiny_model_dir, tmp_path):
     records = bench.run_bench(engine, str(prompts), methods, [0.0], max_new_tokens=8)
     assert [r.method for r in records] == methods and all(r.same_as_plain for r in records)
     assert bench.method_options(["layerskip:2", "plain"], {"draft_layers": "1", "depth": 3}) == {
-        "layerskip:2": {"draft_layers": "1", "depth": 3}, "plain": {}
-    }  # fmt: skip
+        "layerskip:2": {"draft_layers": "1", "depth": 3},
+        "plain": {},
+    }
     with pytest.raises(ValueError, match="no method of plain, lookup takes depth"):
         bench.method_options(["plain", "lookup"], {"depth": 3})
 
@@ -91,9 +92,23 @@ def test_bench_cli_tree_options_reach_the_drafters(tiny_model_dir, tmp_path, mon
     monkeypatch.setattr(
         Engine, "make_drafter", lambda self, spec, **k: built.append((spec, k)) or make(self, spec, **k)
     )
-    argv = ["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods",
-            "plain,lookup,layerskip:1", "--tree-depth", "3", "--tree-top-k", "2", "--max-new-tokens", "6",
-            "--out", str(tmp_path / "out")]  # fmt: skip
+    argv = [
+        "bench",
+        "--model",
+        str(tiny_model_dir),
+        "--prompts",
+        str(prompts),
+        "--methods",
+        "plain,lookup,layerskip:1",
+        "--tree-depth",
+        "3",
+        "--tree-top-k",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert main(argv) == 0
     assert built[1:] == [("none", {}), ("lookup", {}), ("layerskip:1", {"depth": 3, "top_k": 2})]  # [0]: Engine.load
     saved = json.loads(next((tmp_path / "out").glob("bench-*.json")).read_text())

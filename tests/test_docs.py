@@ -33,15 +33,23 @@ def check(target: str, page: Path) -> str | None:
 
 
 def test_every_link_resolves():
-    broken = [f"{page.name}: {why}" for page in PAGES for target in LINK.findall(page.read_text())
-              if (why := check(target, page))]  # fmt: skip
+    broken = [
+        f"{page.name}: {why}"
+        for page in PAGES
+        for target in LINK.findall(page.read_text())
+        if (why := check(target, page))
+    ]
     assert not broken, broken
 
 
 def test_every_page_the_code_cites_exists():
     files = [p for part in ("headstart", "heads", "runtime", "train", "tests") for p in (ROOT / part).rglob("*.py")]
-    broken = [f"{f.relative_to(ROOT)}: {why}" for f in files for doc, anchor in CITED.findall(f.read_text())
-              if (why := check(doc + anchor, ROOT / "README.md"))]  # fmt: skip
+    broken = [
+        f"{f.relative_to(ROOT)}: {why}"
+        for f in files
+        for doc, anchor in CITED.findall(f.read_text())
+        if (why := check(doc + anchor, ROOT / "README.md"))
+    ]
     assert not broken, broken
 
 

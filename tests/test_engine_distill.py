@@ -24,8 +24,9 @@ from helpers.server import LiveServer, tiny_engine
 
 def prompt_file(path: Path, n: int, seed: int = 0) -> Path:
     rng = random.Random(seed)
-    rows = [{"id": f"p{i}", "category": "x", "turns": [" ".join(rng.choice(WORDS[3:]) for _ in range(6))]}
-            for i in range(n)]  # fmt: skip
+    rows = [
+        {"id": f"p{i}", "category": "x", "turns": [" ".join(rng.choice(WORDS[3:]) for _ in range(6))]} for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -40,8 +41,19 @@ def test_engine_rows_equal_local_distillation(tiny_model_dir, tmp_path, capsys):
     prompts = prompt_file(tmp_path / "p.jsonl", 12)
     live = LiveServer(tiny_engine(tiny_model_dir, "lookup"))
     try:
-        argv = ["distill", "--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", str(prompts),
-                "--max-new-tokens", "24", "--concurrency", "4"]  # fmt: skip
+        argv = [
+            "distill",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--concurrency",
+            "4",
+        ]
         assert main([*argv, "--engine", live.url, "--out", str(tmp_path / "engine")]) == 0, capsys.readouterr().err
     finally:
         live.close()
@@ -60,8 +72,18 @@ def free_port() -> int:
 
 def serve(model_dir: Path, port: int) -> subprocess.Popen:
     """`headstart serve` as its own process (killed for real below)."""
-    cmd = [sys.executable, "-m", "headstart.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-           "--port", str(port)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "headstart.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while True:
@@ -78,9 +100,28 @@ def test_a_killed_server_loses_and_repeats_nothing(tiny_model_dir, tmp_path):
     prompts = prompt_file(tmp_path / "p.jsonl", 60)
     out = tmp_path / "out"
     port = free_port()
-    argv = [sys.executable, "-m", "headstart.cli", "distill", "--model", str(tiny_model_dir), "--dtype", "float32",
-            "--prompts", str(prompts), "--out", str(out), "--engine", f"http://127.0.0.1:{port}",
-            "--max-new-tokens", "64", "--concurrency", "2", "--retries", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "headstart.cli",
+        "distill",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--engine",
+        f"http://127.0.0.1:{port}",
+        "--max-new-tokens",
+        "64",
+        "--concurrency",
+        "2",
+        "--retries",
+        "1",
+    ]
     server = serve(tiny_model_dir, port)
     run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -113,8 +154,19 @@ def test_a_server_serving_another_model_is_refused(tiny_model_dir, tmp_path, cap
     tiny_tokenizer().save_pretrained(other)
     live = LiveServer(tiny_engine(other, "none"))
     try:
-        argv = ["distill", "--model", str(tiny_model_dir), "--dtype", "float32", "--out", str(tmp_path / "o"),
-                "--prompts", str(prompt_file(tmp_path / "p.jsonl", 4)), "--engine", live.url]  # fmt: skip
+        argv = [
+            "distill",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--out",
+            str(tmp_path / "o"),
+            "--prompts",
+            str(prompt_file(tmp_path / "p.jsonl", 4)),
+            "--engine",
+            live.url,
+        ]
         assert main(argv) == 2
     finally:
         live.close()

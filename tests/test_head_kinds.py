@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headstart.heads.checkpoint import HeadsConfig
+from headstart.heads.checkpoint import CheckpointConfig
 from headstart.heads.kinds import KINDS, HeadKind, get_kind
 from headstart.heads.vocab import DraftReadout
 from headstart.runtime.drafters.registry import make_drafter
@@ -55,9 +55,13 @@ def toy_depths(head, hidden, ids, depths, tools) -> list[torch.Tensor]:
 
 
 TOY = HeadKind(
-    "toy", lambda model, **options: ToyHead(model.config.hidden_size, **options), "medusa", toy_loss, toy_depths,
+    "toy",
+    lambda model, **options: ToyHead(model.config.hidden_size, **options),
+    "medusa",
+    toy_loss,
+    toy_depths,
     static_tree=True,
-)  # fmt: skip
+)
 
 
 @pytest.fixture
@@ -68,7 +72,7 @@ def toy(monkeypatch):
 
 def test_a_registered_kind_trains_saves_loads_and_decodes_exactly(tmp_path, tiny_model_dir, toy):
     heads_dir = train_tiny_heads(tmp_path, tiny_model_dir, "toy", steps=30, **{"heads.num_heads": 1})
-    config = HeadsConfig.read(heads_dir)
+    config = CheckpointConfig.read(heads_dir)
     assert config.kind == "toy" and len(config.rank_accuracy) == 1 and config.rank_accuracy[0][0] > 0
     model, tokenizer = load_model(str(tiny_model_dir))
     model.generation_config.eos_token_id = None

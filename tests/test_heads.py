@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from headstart.heads.checkpoint import (
-    HeadsConfig,
+    CheckpointConfig,
     HeadsMismatchError,
     build_heads,
     save_heads,
@@ -63,9 +63,9 @@ def test_save_load_round_trip(model, kind, tmp_path):
     loaded, config = load_heads(tmp_path, model)
     assert config.kind == kind and config.extra["metrics"]["head_1/top1"] == 0.5
     # the typed config is what config.json says, read and written in one place
-    assert HeadsConfig.read(tmp_path) == config and HeadsConfig.from_json(config.to_json()) == config
+    assert CheckpointConfig.read(tmp_path) == config and CheckpointConfig.from_json(config.to_json()) == config
     assert config.dtype == "float32" and config.target == fp and config.rank_accuracy is None
-    assert HeadsConfig.find(tmp_path) == config and HeadsConfig.find(tmp_path / "nowhere") is None
+    assert CheckpointConfig.find(tmp_path) == config and CheckpointConfig.find(tmp_path / "nowhere") is None
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 

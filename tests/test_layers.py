@@ -52,8 +52,17 @@ def test_only_the_commands_wire_training_to_the_rest():
     assert wiring and all(path.startswith("headstart/commands/") for path in wiring), wiring
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"], ["serve", "--help"],
-                                  ["distill", "--help"], ["demo", "--help"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["generate", "--help"],
+        ["bench", "--help"],
+        ["serve", "--help"],
+        ["distill", "--help"],
+        ["demo", "--help"],
+    ],
+)
 def test_help_is_fast_and_loads_no_torch(argv):
     """Help under a second: the parser's imports stay light (torch and transformers load with a subcommand)."""
     code = "import sys; from headstart.cli import main; main(sys.argv[1:]); assert 'torch' not in sys.modules"
@@ -69,10 +78,12 @@ def test_no_import_sets_environment_variables():
     files = [p.relative_to(ROOT) for part in ("heads", "runtime", "train") for p in (ROOT / part).rglob("*.py")]
     modules = [p.with_suffix("").as_posix().replace("/", ".") for p in files if p.name != "__init__.py"]
     names = ["headstart." + m for m in modules] + ["headstart.cli"]
-    code = ("import importlib, os, sys; before = dict(os.environ)\n"
-            "for m in sys.argv[1:]: importlib.import_module(m)\n"
-            "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}\n"
-            "assert not changed, changed")  # fmt: skip
+    code = (
+        "import importlib, os, sys; before = dict(os.environ)\n"
+        "for m in sys.argv[1:]: importlib.import_module(m)\n"
+        "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}\n"
+        "assert not changed, changed"
+    )
     proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

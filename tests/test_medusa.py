@@ -88,7 +88,7 @@ def test_tree_is_sampled_above_temperature_zero_only():
 
 def test_heads_never_right_on_held_out_rows_draft_from_the_prior(tmp_path):
     """Accuracies measured as 0 at every rank would choose an empty tree: the prior's tree, with a warning."""
-    from headstart.heads.checkpoint import HeadsConfig, save_heads, target_fingerprint
+    from headstart.heads.checkpoint import CheckpointConfig, save_heads, target_fingerprint
     from headstart.runtime.drafters.registry import make_drafter
     from headstart.runtime.tree import prior_rank_accuracy
 
@@ -99,4 +99,4 @@ def test_heads_never_right_on_held_out_rows_draft_from_the_prior(tmp_path):
     with pytest.warns(UserWarning, match="measured 0 for every rank: their tree comes from a prior"):
         drafter = make_drafter("medusa", model, None, heads=str(tmp_path), budget=5)
     assert drafter.shape == choose_tree_shape(prior_rank_accuracy(2), 5) and len(drafter.shape) == 5
-    assert HeadsConfig.read(tmp_path).measured_accuracy is None  # what every reader of the accuracies goes by
+    assert CheckpointConfig.read(tmp_path).measured_accuracy is None  # what every reader of the accuracies goes by

@@ -83,15 +83,40 @@ def test_bench_runs_medusa2_on_base_plus_adapter_and_drift_measures_it(medusa2_r
     heads = str(medusa2_run[0] / "heads")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "1", "category": "a", "turns": ["the cat sat on the mat"]}\n')
-    args = ["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", str(prompts), "--methods",
-            "plain,medusa2", "--medusa2-heads", heads, "--max-new-tokens", "12", "--out", str(tmp_path)]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(prompts),
+        "--methods",
+        "plain,medusa2",
+        "--medusa2-heads",
+        heads,
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(tmp_path),
+    ]
     assert cli(args) == 0
     records = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["records"]
     m2 = [r for r in records if r["method"] == "medusa2"]
     assert m2 and all(r["adapter"] == heads and r["same_as_plain"] is None for r in m2)  # another model than plain's
     assert "medusa2 ran on the model + the LoRA adapter in" in next(tmp_path.glob("bench-*.md")).read_text()
-    drift = ["drift", heads, "--model", str(tiny_model_dir), "--limit", "3", "--max-new-tokens", "8",
-             "--out", str(tmp_path)]  # fmt: skip
+    drift = [
+        "drift",
+        heads,
+        "--model",
+        str(tiny_model_dir),
+        "--limit",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(tmp_path),
+    ]
     assert cli(drift) == 0  # the held-out prompts of the heads' own training run
     result = json.loads(next(tmp_path.glob("drift-*.json")).read_text())
     assert result["summary"]["prompts"] == 3 and result["summary"]["kl_per_token"] > 0
@@ -119,8 +144,15 @@ def test_drift_of_an_adapter_that_changes_nothing_is_zero(tiny_model_dir, tmp_pa
 )
 def test_medusa2_config_errors_in_one_line(tmp_path, tiny_model_dir, capsys, overrides, message):
     cfg = make_cfg(tmp_path, tiny_model_dir, "medusa2")
-    args = [f"{k}={v}" for k, v in (("target.model", tiny_model_dir), ("data.path", cfg.data.path),
-                                    ("output_dir", tmp_path / "out"), ("heads.kind", "medusa2"))]  # fmt: skip
+    args = [
+        f"{k}={v}"
+        for k, v in (
+            ("target.model", tiny_model_dir),
+            ("data.path", cfg.data.path),
+            ("output_dir", tmp_path / "out"),
+            ("heads.kind", "medusa2"),
+        )
+    ]
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     assert train_heads.main(["--config", str(empty), *args, "data.eval_rows=8", *overrides]) == 2

@@ -155,8 +155,11 @@ def test_tokenizer_mismatch_is_refused_naming_both(tiny_model_dir, tmp_path):
     tok = tiny_tokenizer()
     other = tiny_tokenizer()
     other.add_tokens(["zebra"])
-    with pytest.raises(TokenizerMismatchError, match=r"draft model small-b does not share the tokenizer of the target "
-                       r"big-a \(\d+ vs \d+ tokens\)"):  # fmt: skip
+    with pytest.raises(
+        TokenizerMismatchError,
+        match=r"draft model small-b does not share the tokenizer of the target "
+        r"big-a \(\d+ vs \d+ tokens\)",
+    ):
         check_same_tokenizer(tok, other, "big-a", "small-b")
     # same size, one token string differs
     from headstart.runtime.models import load_model

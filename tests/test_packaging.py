@@ -45,8 +45,14 @@ def test_extras_agree_with_pyproject_and_with_every_modules_imports():
     serve = core | set(EXTRAS["serve"]) | {"starlette", "pydantic"}  # the last two come with fastapi
     allowed_by_part = {"runtime/server/": serve, "train/": core | set(EXTRAS["train"])}
     third_party = set().union(*EXTRAS.values()) | serve | {"tokenizers", "numpy"}
-    for path in sorted([*ROOT.glob("headstart/*.py"), *ROOT.glob("heads/*.py"), *ROOT.glob("runtime/**/*.py"),
-                        *ROOT.glob("train/*.py")]):  # fmt: skip
+    for path in sorted(
+        [
+            *ROOT.glob("headstart/*.py"),
+            *ROOT.glob("heads/*.py"),
+            *ROOT.glob("runtime/**/*.py"),
+            *ROOT.glob("train/*.py"),
+        ]
+    ):
         rel = str(path.relative_to(ROOT))
         allowed = next((a for part, a in allowed_by_part.items() if rel.startswith(part)), core)
         for node in ast.parse(path.read_text()).body:  # top-level statements only
@@ -63,8 +69,19 @@ def test_extras_agree_with_pyproject_and_with_every_modules_imports():
 def venv(tmp_path_factory) -> Path:
     """bin/ of a fresh venv holding the wheel built from this checkout, its core dependencies only."""
     tmp = tmp_path_factory.mktemp("wheel")
-    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", ROOT,
-        cwd=tmp)  # fmt: skip
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        tmp / "dist",
+        ROOT,
+        cwd=tmp,
+    )
     (wheel,) = (tmp / "dist").glob("headstart-*.whl")
     run(sys.executable, "-m", "venv", tmp / "venv", cwd=tmp)
     pip = tmp / "venv" / "bin" / "pip"
@@ -76,8 +93,20 @@ def venv(tmp_path_factory) -> Path:
 def test_wheel_runs_every_subcommand_from_elsewhere(venv, tiny_model_dir, tmp_path):
     elsewhere = tmp_path  # not the checkout: nothing of it is on sys.path
     # the core install: generate runs; serve, bench and training say which extra they need, in one line
-    out = run(venv / "headstart", "generate", "--model", tiny_model_dir, "--prompt", "the cat sat",
-              "--drafter", "lookup", "--max-new-tokens", "6", "--json", cwd=elsewhere).stdout  # fmt: skip
+    out = run(
+        venv / "headstart",
+        "generate",
+        "--model",
+        tiny_model_dir,
+        "--prompt",
+        "the cat sat",
+        "--drafter",
+        "lookup",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        cwd=elsewhere,
+    ).stdout
     assert '"new_tokens": 6' in out
     for argv, extra in ((["serve"], "serve"), (["bench"], "bench"), (["distill", "--out", "x"], "train")):
         proc = run(venv / "headstart", *argv, cwd=elsewhere, check=False)
@@ -90,13 +119,26 @@ def test_wheel_runs_every_subcommand_from_elsewhere(venv, tiny_model_dir, tmp_pa
     assert "usage: headstart" in run(venv / "headstart", "--help", cwd=elsewhere).stdout
     for sub in ("generate", "bench", "distill", "report", "serve", "loadtest", "demo"):
         run(venv / "headstart", sub, "--help", cwd=elsewhere)
-    out = run(venv / "headstart", "generate", "--model", tiny_model_dir, "--prompt", "the cat sat",
-              "--drafter", "lookup", "--max-new-tokens", "6", "--json", cwd=elsewhere).stdout  # fmt: skip
+    out = run(
+        venv / "headstart",
+        "generate",
+        "--model",
+        tiny_model_dir,
+        "--prompt",
+        "the cat sat",
+        "--drafter",
+        "lookup",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        cwd=elsewhere,
+    ).stdout
     assert '"new_tokens": 6' in out
     # loadtest's client library comes with a plain install: no server here, so one line and exit 2
     prompts = ROOT / "tests" / "data" / "prompts.jsonl"
-    proc = run(venv / "headstart", "loadtest", "--url", "http://127.0.0.1:9", "--prompts", prompts, cwd=elsewhere,
-               check=False)  # fmt: skip
+    proc = run(
+        venv / "headstart", "loadtest", "--url", "http://127.0.0.1:9", "--prompts", prompts, cwd=elsewhere, check=False
+    )
     assert proc.returncode == 2 and "no headstart server at" in proc.stderr, proc.stderr
     python = venv / "python"
     run(python, "-c", "import headstart, headstart.runtime.engine, headstart.train.heads", cwd=elsewhere)

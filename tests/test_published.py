@@ -47,8 +47,10 @@ def same_logits(native, loaded, kind: str, model) -> None:
         feats, embeds, pos = torch.randn(1, T, width), torch.randn(1, T, H), torch.arange(T)[None]
         a, b = native(feats, embeds, pos), loaded(feats, embeds, pos)
         ra, rb = native.readout(lm_head), loaded.readout(lm_head)  # (T, N) over each one's draft rows
-        full = [torch.full((T, VOCAB), -1e9).index_copy_(1, r.to_target(torch.arange(r(x[0]).shape[-1])), r(x[0]))
-                for r, x in ((ra, a), (rb, b))]  # fmt: skip
+        full = [
+            torch.full((T, VOCAB), -1e9).index_copy_(1, r.to_target(torch.arange(r(x[0]).shape[-1])), r(x[0]))
+            for r, x in ((ra, a), (rb, b))
+        ]
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full[1], full[0], rtol=1e-5, atol=1e-5)
 
@@ -260,15 +262,35 @@ def test_heads_for_another_target_are_refused_naming_both_sides(tmp_path, target
     other = tiny_llama(vocab_size=VOCAB, layers=4)  # same sizes, fewer layers
     wide = tiny_llama(vocab_size=VOCAB + 8, layers=8)
     cases = [
-        (random_heads("eagle3", target, 0.2), "eagle3-specforge", {"aux_ids": [2, 4, 7]}, other,
-         r"fused layers \[2, 4, 7\] in the heads, 4 layers in LlamaForCausalLM"),
-        (random_heads("eagle3", target, 0.2), "eagle3-authors", {"d2t": False}, wide,
-         rf"vocabulary {VOCAB} in the heads, {VOCAB + 8} in LlamaForCausalLM"),
-        (random_heads("medusa", target, 0.2, num_heads=2, own_lm_head=True), "medusa", {}, wide,
-         rf"vocabulary {VOCAB} in the heads, {VOCAB + 8}"),
-        (random_heads("eagle", target, 0.2), "eagle", {"embed": torch.zeros(VOCAB + 8, 16)}, target,
-         r"vocabulary 72 in the heads, 64"),
-    ]  # fmt: skip
+        (
+            random_heads("eagle3", target, 0.2),
+            "eagle3-specforge",
+            {"aux_ids": [2, 4, 7]},
+            other,
+            r"fused layers \[2, 4, 7\] in the heads, 4 layers in LlamaForCausalLM",
+        ),
+        (
+            random_heads("eagle3", target, 0.2),
+            "eagle3-authors",
+            {"d2t": False},
+            wide,
+            rf"vocabulary {VOCAB} in the heads, {VOCAB + 8} in LlamaForCausalLM",
+        ),
+        (
+            random_heads("medusa", target, 0.2, num_heads=2, own_lm_head=True),
+            "medusa",
+            {},
+            wide,
+            rf"vocabulary {VOCAB} in the heads, {VOCAB + 8}",
+        ),
+        (
+            random_heads("eagle", target, 0.2),
+            "eagle",
+            {"embed": torch.zeros(VOCAB + 8, 16)},
+            target,
+            r"vocabulary 72 in the heads, 64",
+        ),
+    ]
     for i, (heads, layout, how, model, message) in enumerate(cases):
         src = write_published(heads, target, layout, tmp_path / f"src{i}", **how)
         with pytest.raises(PublishedHeadsError, match=message):
@@ -313,8 +335,21 @@ def test_bench_compares_heads_side_by_side(tmp_path, tiny_model_dir, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "1", "category": "a", "turns": ["one two three one two three"]}) + "\n")
     out = tmp_path / "bench"
-    args = ["bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", str(prompts),
-            "--methods", "plain,eagle,lookup", "--max-new-tokens", "16", "--out", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(prompts),
+        "--methods",
+        "plain,eagle,lookup",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(out),
+    ]
     assert cli([*args, "--heads", f"mine={heads_dir}", "--heads", f"pub={published}"]) == 0
     table = capsys.readouterr().out
     rows = {line.split("|")[2].strip(): line for line in table.splitlines() if line.startswith("| overall")}
@@ -342,7 +377,7 @@ def test_shipped_heads_run_beside_the_labelled_ones():
 
 
 def test_calibrate_measures_accuracies_on_your_prompts(tmp_path, tiny_model_dir, capsys):
-    from headstart.heads.checkpoint import HeadsConfig
+    from headstart.heads.checkpoint import CheckpointConfig
     from headstart.train.data import Row
     from headstart.train.evaluate import measure
 
@@ -376,16 +411,16 @@ def test_calibrate_measures_accuracies_on_your_prompts(tmp_path, tiny_model_dir,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         convert_heads(published, converted, model, tokenizer)
-    assert HeadsConfig.read(converted).rank_accuracy is None
+    assert CheckpointConfig.read(converted).rank_accuracy is None
     assert cli(["calibrate", str(converted), *args]) == 0
-    config = HeadsConfig.read(converted)
+    config = CheckpointConfig.read(converted)
     assert len(config.rank_accuracy) == K and config.extra["calibrated_on"]["answers"] == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # measured accuracies: no prior tree, no warning
         make_drafter("medusa", model, tokenizer, heads=str(converted))
     eagle = train_tiny_heads(tmp_path / "e", tiny_model_dir, "eagle")  # EAGLE: its drafting depths, unrolled
     assert cli(["calibrate", str(eagle), *args]) == 0
-    assert len(HeadsConfig.read(eagle).rank_accuracy) == 5
+    assert len(CheckpointConfig.read(eagle).rank_accuracy) == 5
 
 
 def test_a_cut_draft_vocabulary_reads_out_what_the_full_head_reads_out_limited(tmp_path, tiny_model_dir):

@@ -13,9 +13,14 @@ def test_specs_parse_once_for_everyone():
     assert parse_spec("layerskip:8") == DrafterSpec("layerskip", value="8")
     assert parse_spec("model:runs/d") == DrafterSpec("model", value="runs/d")
     assert parse_spec("none").name == "none" and parse_spec("medusa+lookup").name == "medusa+lookup"
-    for bad, why in [("warp", "unknown drafter 'warp'"), ("lookup+lookup", "unknown"), ("none+lookup", "unknown"),
-                     ("lookup:3", "takes no ':' value"), ("eagle:x", "budget takes a number, got 'x'"),
-                     ("medusa:", "give a value")]:  # fmt: skip
+    for bad, why in [
+        ("warp", "unknown drafter 'warp'"),
+        ("lookup+lookup", "unknown"),
+        ("none+lookup", "unknown"),
+        ("lookup:3", "takes no ':' value"),
+        ("eagle:x", "budget takes a number, got 'x'"),
+        ("medusa:", "give a value"),
+    ]:
         with pytest.raises(ValueError, match=why):
             parse_spec(bad)
     assert len(names()) == len(set(names())) and "eagle+lookup" in names() and "none+lookup" not in names()

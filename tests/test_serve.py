@@ -24,8 +24,18 @@ def server(tiny_model_dir):
 
 
 def cli_text(model_dir, prompt: str, capsys, raw: bool = False) -> str:
-    argv = ["generate", "--model", str(model_dir), "--drafter", "lookup", "--prompt", prompt,
-            "--max-new-tokens", "20", "--json"] + (["--raw"] if raw else [])  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--drafter",
+        "lookup",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "20",
+        "--json",
+    ] + (["--raw"] if raw else [])
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
 
@@ -45,10 +55,16 @@ def test_openai_client_chat_and_completions_match_headstart_generate(server, tin
     extra = chat.model_extra["headstart"]
     assert extra["target_passes"] >= 1 and extra["acceptance_length"] >= 1
 
-    chunks = list(client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_chat
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
@@ -182,8 +198,9 @@ def test_time_limit_ends_a_request(tiny_model_dir):
     engine.eos_ids = frozenset()  # the request samples (temperature 1): an early <eos> would end it first
     live = LiveServer(engine, time_limit_s=0.5)
     try:
-        r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "the cat", "max_tokens": 200},
-                       timeout=30)  # fmt: skip
+        r = httpx.post(
+            live.url + "/v1/completions", json={"model": NAME, "prompt": "the cat", "max_tokens": 200}, timeout=30
+        )
         out = r.json()
         assert r.status_code == 200 and out["choices"][0]["finish_reason"] == "length"
         assert out["headstart"]["timed_out"] and out["usage"]["completion_tokens"] < 200
@@ -192,8 +209,11 @@ def test_time_limit_ends_a_request(tiny_model_dir):
 
 
 def test_serve_flag_errors_are_one_line(capsys):
-    for argv, message in [(["serve", "--port", "0"], "--port"), (["serve", "--max-queue", "0"], "--max-queue"),
-                          (["serve", "--time-limit", "-1"], "--time-limit")]:  # fmt: skip
+    for argv, message in [
+        (["serve", "--port", "0"], "--port"),
+        (["serve", "--max-queue", "0"], "--max-queue"),
+        (["serve", "--time-limit", "-1"], "--time-limit"),
+    ]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
 
@@ -202,8 +222,21 @@ def test_loadtest_reports_every_level(server, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS)))
     out = tmp_path / "load.json"
-    argv = ["loadtest", "--url", server.url, "--clients", "1,3", "--requests-per-client", "2", "--max-tokens", "6",
-            "--prompts", str(prompts), "--out", str(out)]  # fmt: skip
+    argv = [
+        "loadtest",
+        "--url",
+        server.url,
+        "--clients",
+        "1,3",
+        "--requests-per-client",
+        "2",
+        "--max-tokens",
+        "6",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "| lookup | 1 | 2 | 0 |" in table and "| lookup | 3 | 6 | 0 |" in table
@@ -273,15 +306,28 @@ def test_an_api_key_lets_in_only_its_users(tiny_model_dir, tmp_path, capsys):
         assert bare.status_code == 401 and bare.json()["error"]["type"] == "authentication_error"
         assert httpx.get(live.url + "/health").status_code == 200
         metrics = httpx.get(live.url + "/metrics").text
-        assert key not in metrics and live.metric("headstart_requests_total", endpoint="/v1/completions",
-                                                  status="401") == 4  # fmt: skip
+        assert (
+            key not in metrics
+            and live.metric("headstart_requests_total", endpoint="/v1/completions", status="401") == 4
+        )
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text(json.dumps({"id": "0", "turns": ["the cat sat"]}) + "\n")
-        argv = ["loadtest", "--url", live.url, "--clients", "1", "--requests-per-client", "1", "--max-tokens", "4",
-                "--prompts", str(prompts)]  # fmt: skip
+        argv = [
+            "loadtest",
+            "--url",
+            live.url,
+            "--clients",
+            "1",
+            "--requests-per-client",
+            "1",
+            "--max-tokens",
+            "4",
+            "--prompts",
+            str(prompts),
+        ]
         assert main([*argv, "--api-key", key]) == 0
         assert "| lookup | 1 | 1 | 0 |" in capsys.readouterr().out
-        from headstart.train.engine import EngineClient
+        from headstart.train.distill_remote import EngineClient
 
         client = EngineClient(live.url + "/v1", api_key=key, retries=0)  # the base-URL form OpenAI clients take
         assert client.model == NAME

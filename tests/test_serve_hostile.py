@@ -109,15 +109,28 @@ def test_unknown_paths_fold_into_one_metrics_label(slow):
 
 def test_openai_defaults_pass_and_wrong_types_do_not(slow):
     ok = {"model": NAME, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2}
-    for extra in [{"temperature": None, "top_p": None, "stream": None}, {"response_format": {"type": "text"}},
-                  {"store": False}, {"metadata": {}}, {"tool_choice": "none"}, {"n": 1}, {"logprobs": False},
-                  {"temperature": 1e-40}, {"temperature": 5e-324, "seed": 3}]:  # fmt: skip
+    for extra in [
+        {"temperature": None, "top_p": None, "stream": None},
+        {"response_format": {"type": "text"}},
+        {"store": False},
+        {"metadata": {}},
+        {"tool_choice": "none"},
+        {"n": 1},
+        {"logprobs": False},
+        {"temperature": 1e-40},
+        {"temperature": 5e-324, "seed": 3},
+    ]:
         r = httpx.post(slow.url + "/v1/chat/completions", json={**ok, **extra}, timeout=30)
         assert r.status_code == 200, (extra, r.text)
-    for extra, param in [({"max_tokens": "4"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-                         ({"temperature": "1"}, "temperature"), ({"stream": "yes"}, "stream"),
-                         ({"seed": 2**70}, "seed"), ({"n": 2}, "'n' is not supported"),
-                         ({"response_format": {"type": "json_object"}}, "response_format")]:  # fmt: skip
+    for extra, param in [
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": "1"}, "temperature"),
+        ({"stream": "yes"}, "stream"),
+        ({"seed": 2**70}, "seed"),
+        ({"n": 2}, "'n' is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
         r = httpx.post(slow.url + "/v1/chat/completions", json={**ok, **extra}, timeout=30)
         assert r.status_code == 400 and param in r.json()["error"]["message"], (extra, r.text)
 
@@ -140,8 +153,12 @@ def test_an_unexpected_error_is_a_500_with_an_openai_body(tiny_model_dir, monkey
         monkeypatch.setattr(live.app.state.worker, "submit", broken)
         r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "the", "max_tokens": 2})
         assert r.status_code == 500
-        assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error",
-                                     "param": None, "code": None}  # fmt: skip
+        assert r.json()["error"] == {
+            "message": "internal error: RuntimeError",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
         assert live.metric("headstart_requests_total", endpoint="/v1/completions", status="500") == 1
         assert httpx.get(live.url + "/health").status_code == 200
     finally:
@@ -186,11 +203,13 @@ def test_cli_bad_files_and_numbers_are_one_line(capsys, tiny_model_dir, tmp_path
     base = ["generate", "--prompt", "the cat", "--max-new-tokens", "2"]
     for argv, message in [
         ([*base, "--model", str(broken)], "cannot load model"),
-        ([*base, "--model", str(tiny_model_dir), "--drafter", "medusa", "--heads", str(tiny_model_dir)],
-         "is not a heads checkpoint"),
+        (
+            [*base, "--model", str(tiny_model_dir), "--drafter", "medusa", "--heads", str(tiny_model_dir)],
+            "is not a heads checkpoint",
+        ),
         ([*base, "--model", str(tiny_model_dir), "--seed", str(2**70)], "--seed"),
         ([*base, "--model", str(tiny_model_dir), "--temperature", "1e-40"], None),  # greedy, not a traceback
-    ]:  # fmt: skip
+    ]:
         code = main(argv)
         err = capsys.readouterr().err
         assert "Traceback" not in err

@@ -17,13 +17,25 @@ pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("launch", [["--num_processes", "1"], ["--multi_gpu", "--num_processes", "2"]],
-                         ids=["one-process", "ddp-two-processes"])  # fmt: skip
+@pytest.mark.parametrize(
+    "launch",
+    [["--num_processes", "1"], ["--multi_gpu", "--num_processes", "2"]],
+    ids=["one-process", "ddp-two-processes"],
+)
 def test_smoke_config_trains_every_kind(tmp_path, launch):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    cmd = [*ACCELERATE_LAUNCH, *launch, "train/heads.py", "--config", "configs/smoke.yaml",
-           f"output_dir={tmp_path}", f"data.path={tmp_path / 'data'}",
-           "optim.max_steps=10", "eval_every=5", "save_every=5"]  # half the config's steps: CI time  # fmt: skip
+    cmd = [
+        *ACCELERATE_LAUNCH,
+        *launch,
+        "train/heads.py",
+        "--config",
+        "configs/smoke.yaml",
+        f"output_dir={tmp_path}",
+        f"data.path={tmp_path / 'data'}",
+        "optim.max_steps=10",
+        "eval_every=5",
+        "save_every=5",
+    ]  # half the config's steps: CI time
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "W&B logs offline" in proc.stderr

@@ -19,8 +19,9 @@ from helpers.training import make_cfg, write_shards
 
 def _prompts(tmp_path: Path, n: int = 9) -> list:
     path = tmp_path / "prompts.jsonl"
-    rows = [{"source": "s", "id": f"p{i}", "turns": [f"the cat {' '.join(['sat'] * (i % 4))} {i % 3}"]}
-            for i in range(n)]  # fmt: skip
+    rows = [
+        {"source": "s", "id": f"p{i}", "turns": [f"the cat {' '.join(['sat'] * (i % 4))} {i % 3}"]} for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return load_prompts(path)
 
@@ -80,8 +81,15 @@ def test_ids_in_other_sources_are_not_answered_again(tmp_path, tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir))
     prompts = _prompts(tmp_path, 4)
     distill(model, tok, prompts[:3], tmp_path / "shared", max_new_tokens=4, progress=False)
-    stats = distill(model, tok, prompts, tmp_path / "mine", max_new_tokens=4, progress=False,
-                    skip_ids=answered_ids([str(tmp_path / "shared")]))  # fmt: skip
+    stats = distill(
+        model,
+        tok,
+        prompts,
+        tmp_path / "mine",
+        max_new_tokens=4,
+        progress=False,
+        skip_ids=answered_ids([str(tmp_path / "shared")]),
+    )
     assert stats["new_rows"] == 1 and _shard_ids(tmp_path / "mine") == ["p3"]
 
 
@@ -96,8 +104,12 @@ def test_held_out_prompts_by_id_by_source_and_id_and_by_text(tmp_path):
     ]
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tune = tmp_path / "tune.jsonl"
-    tune.write_text(json.dumps({"source": "nq", "id": "1", "turns": ["who wrote Hamlet?"]}) + "\n"
-                    + json.dumps({"id": "summary:7", "turns": ["another text"]}) + "\n")  # fmt: skip
+    tune.write_text(
+        json.dumps({"source": "nq", "id": "1", "turns": ["who wrote Hamlet?"]})
+        + "\n"
+        + json.dumps({"id": "summary:7", "turns": ["another text"]})
+        + "\n"
+    )
     bench = tmp_path / "bench.jsonl"
     bench.write_text(json.dumps({"source": "spec_bench", "id": "1", "turns": ["translate into german: HELLO"]}) + "\n")
     kept, dropped = held_out(load_prompts(train), [tune, bench])
@@ -131,8 +143,10 @@ def test_training_on_a_bad_source_exits_2_and_trains_nothing(tmp_path, tiny_mode
     cfg = make_cfg(tmp_path, tiny_model_dir, "medusa", **{"data.sources": f"[{tmp_path / 'missing'}]"})
     assert cfg.data.sources == [str(tmp_path / "missing")]
     config = tmp_path / "run.yaml"
-    config.write_text(f"data:\n  path: {cfg.data.path}\n  sources: [{tmp_path / 'missing'}]\n"
-                      f"target:\n  model: {tiny_model_dir}\noutput_dir: {tmp_path / 'out'}\n")  # fmt: skip
+    config.write_text(
+        f"data:\n  path: {cfg.data.path}\n  sources: [{tmp_path / 'missing'}]\n"
+        f"target:\n  model: {tiny_model_dir}\noutput_dir: {tmp_path / 'out'}\n"
+    )
     assert train_heads.main(["--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"headstart: error: data source {tmp_path / 'missing'}: no distilled shards (shard-*.jsonl) there"

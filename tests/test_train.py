@@ -424,8 +424,18 @@ def launch_training(tmp_path, launch: list[str], processes: int, options: list[s
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [*ACCELERATE_LAUNCH, *launch, "--num_processes", str(processes), "--main_process_port", str(port),
-           str(ROOT / "train" / "heads.py"), "--config", str(empty), *options]  # fmt: skip
+    cmd = [
+        *ACCELERATE_LAUNCH,
+        *launch,
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(port),
+        str(ROOT / "train" / "heads.py"),
+        "--config",
+        str(empty),
+        *options,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -435,10 +445,18 @@ def two_processes_against_one(tmp_path, model_dir, heads: list[str], two: list[s
     stderr."""
     write_shards(tmp_path / "data", n_rows=48)
     common = [
-        *heads, f"target.model={model_dir}", "heads.num_heads=2", f"data.path={tmp_path / 'data'}",
-        "data.eval_rows=8", "data.batch_tokens=96", "optim.max_steps=4", "log_every=1", "eval_every=4",
-        "save_every=4", "report_to=none",
-    ]  # fmt: skip
+        *heads,
+        f"target.model={model_dir}",
+        "heads.num_heads=2",
+        f"data.path={tmp_path / 'data'}",
+        "data.eval_rows=8",
+        "data.batch_tokens=96",
+        "optim.max_steps=4",
+        "log_every=1",
+        "eval_every=4",
+        "save_every=4",
+        "report_to=none",
+    ]
     runs = {"two": (two, 2, []), "one": ([], 1, ["optim.grad_accum=2"])}
     stderr = {}
     for name, (launch, processes, extra) in runs.items():
@@ -504,8 +522,13 @@ def test_fsdp_launch_shards_the_target_and_matches_one_process(tmp_path, tiny_mo
 def test_fsdp_launch_refuses_medusa2_in_one_line(tmp_path, tiny_model_dir):
     """Medusa-2 trains a LoRA inside the target, which an FSDP launch would shard: refused before any training."""
     write_shards(tmp_path / "data", n_rows=16)
-    options = ["heads.kind=medusa2", f"target.model={tiny_model_dir}", f"data.path={tmp_path / 'data'}",
-               f"output_dir={tmp_path / 'out'}", "report_to=none"]  # fmt: skip
+    options = [
+        "heads.kind=medusa2",
+        f"target.model={tiny_model_dir}",
+        f"data.path={tmp_path / 'data'}",
+        f"output_dir={tmp_path / 'out'}",
+        "report_to=none",
+    ]
     proc = launch_training(tmp_path, FSDP, 2, options)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("headstart: error")]
     assert proc.returncode != 0 and errors, proc.stderr[-2000:]
@@ -527,13 +550,18 @@ def test_deepspeed_zero2_launch_matches_one_process(tmp_path, tiny_model_dir, he
     two_processes_against_one(tmp_path, tiny_model_dir, heads, DEEPSPEED)
     states = tmp_path / "two" / "checkpoints" / "step-0000004" / "pytorch_model"
     if heads[0] == "heads.kind=medusa":  # accumulation is refused in one line (DeepSpeed steps at every backward)
-        options = [f"target.model={tiny_model_dir}", f"data.path={tmp_path / 'data'}",
-                   f"output_dir={tmp_path / 'accum'}", "optim.grad_accum=2"]  # fmt: skip
+        options = [
+            f"target.model={tiny_model_dir}",
+            f"data.path={tmp_path / 'data'}",
+            f"output_dir={tmp_path / 'accum'}",
+            "optim.grad_accum=2",
+        ]
         proc = launch_training(tmp_path, DEEPSPEED, 1, options)
         assert proc.returncode != 0 and "optim.grad_accum: a DeepSpeed launch takes 1, not 2" in proc.stderr
     assert sorted(p.name for p in states.glob("zero_pp_rank_*_optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    ]  # fmt: skip
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
 
 
 def test_report_png(tmp_path, capsys):
@@ -600,9 +628,10 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     assert grown.missing() == [len(rows)] and grown.build(model, 0, 128) == 1
     grown.scan()
     assert grown.missing() == [] and len(list((tmp_path / "features").glob("*.safetensors"))) == 2
-    torch.testing.assert_close(grown.batch([len(rows)], 4)[0].float(),
-                               train_heads.target_features(model, torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4),
-                                                           b.layers)[0].float())  # fmt: skip
+    torch.testing.assert_close(
+        grown.batch([len(rows)], 4)[0].float(),
+        train_heads.target_features(model, torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4), b.layers)[0].float(),
+    )
     first = sorted((tmp_path / "features").glob("*.safetensors"), key=lambda p: p.stat().st_mtime)[0]
     first.write_bytes(b"truncated")
     assert FeatureCache(tmp_path / "features", more, key).missing() == list(range(len(rows)))

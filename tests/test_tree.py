@@ -164,8 +164,9 @@ def test_shape_sampler_draws_follow_the_q_it_records():
     first, second = torch.tensor(tree.tokens[0::2]), torch.tensor(tree.tokens[1::2])
     assert len(first) == len(second) == n and not (first == second).any()
     assert q[first].min() > 0 and q[second].min() > 0  # never a token q gives 0
-    pair = torch.zeros(6, 6, dtype=torch.float64).index_put_((first, second), torch.ones(n, dtype=torch.float64),
-                                                              accumulate=True)  # fmt: skip
+    pair = torch.zeros(6, 6, dtype=torch.float64).index_put_(
+        (first, second), torch.ones(n, dtype=torch.float64), accumulate=True
+    )
     joint = q[:, None] * q[None, :] / (1 - q[:, None])
     joint.fill_diagonal_(0)
     assert chi_square_pvalue(pair.sum(1), q) > 1e-3
@@ -278,8 +279,15 @@ def test_sampled_siblings_are_drawn_without_replacement_from_what_they_record():
             counts[j, token] += 1
     freq = counts / counts.sum(-1, keepdim=True)
     second = sum(q[a] * torch.where(torch.arange(5) == a, 0.0, q / (1 - q[a])) for a in range(4))
-    third = sum(q[a] * q[b] / (1 - q[a]) * torch.where((torch.arange(5) == a) | (torch.arange(5) == b), 0.0,
-                q / (1 - q[a] - q[b])) for a in range(4) for b in range(4) if a != b)  # fmt: skip
+    third = sum(
+        q[a]
+        * q[b]
+        / (1 - q[a])
+        * torch.where((torch.arange(5) == a) | (torch.arange(5) == b), 0.0, q / (1 - q[a] - q[b]))
+        for a in range(4)
+        for b in range(4)
+        if a != b
+    )
     for got, want in zip(freq, (q, second, third), strict=True):
         torch.testing.assert_close(got, want, atol=0.02, rtol=0)  # 4 standard errors
     sampler = ShapeSampler([(0,), (1,), (2,)], SamplingParams(1.0, top_k=2), 5, gen)

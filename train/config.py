@@ -41,7 +41,7 @@ class LoraConfig:
 @dataclass
 class HeadsConfig:
     kind: str = "medusa"  # medusa | medusa2 | eagle | eagle3, or a comma list: medusa,eagle (runs in output_dir/<kind>)
-    num_heads: int = 4  # medusa, medusa2
+    num_heads: int = 4  # medusa, medusa2: heads trained; every kind: the drafting depths evaluation scores
     own_lm_head: bool = False  # medusa, medusa2: a trainable lm_head copy per head
     lora: LoraConfig = field(default_factory=LoraConfig)  # medusa2 only
     feature_noise: float = 0.2  # eagle only: uniform noise U(-a/2, a/2) on input features while training

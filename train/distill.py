@@ -46,9 +46,29 @@ def _opening_text(text: str, n_tokens: int, max_words: int = 30) -> str | None:
 
 
 GERMAN_WORDS = frozenset(
-    ["der", "die", "das", "und", "ist", "ein", "eine", "nicht", "mit", "für", "zu", "den", "von", "ich", "wir", "sie",
-     "es", "auf", "im", "dem"]
-)  # fmt: skip
+    [
+        "der",
+        "die",
+        "das",
+        "und",
+        "ist",
+        "ein",
+        "eine",
+        "nicht",
+        "mit",
+        "für",
+        "zu",
+        "den",
+        "von",
+        "ich",
+        "wir",
+        "sie",
+        "es",
+        "auf",
+        "im",
+        "dem",
+    ]
+)
 
 
 def _german_text(text: str, n_tokens: int, max_words: int = 40) -> str | None:
@@ -187,10 +207,10 @@ def distill(
 
         requests = [encoded[p.id] for p in todo]
         seeds = [row_seed(seed, p.id) for p in todo]
-        for i, response in decode_batched(model, requests, max_new_tokens, eos, batch_size,
-                                          temperature, seeds):  # fmt: skip
-            written([{"id": todo[i].id, "category": todo[i].category, "prompt_ids": requests[i],
-                      "response_ids": response}])  # fmt: skip
+        for i, response in decode_batched(model, requests, max_new_tokens, eos, batch_size, temperature, seeds):
+            written(
+                [{"id": todo[i].id, "category": todo[i].category, "prompt_ids": requests[i], "response_ids": response}]
+            )
     pad = pad_id(tokenizer, eos)
     for batch in _batches(todo, batch_size) if backend == "hf" else ():
         ids = [encoded[p.id] for p in batch]
@@ -200,18 +220,28 @@ def distill(
         kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
         torch.manual_seed(seed + len(shards.done))
         gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
-        written([{"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": cut_at_eos(row, eos)}
-                 for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True)])  # fmt: skip
+        written(
+            [
+                {"id": p.id, "category": p.category, "prompt_ids": x, "response_ids": cut_at_eos(row, eos)}
+                for p, x, row in zip(batch, ids, gen[:, width:].tolist(), strict=True)
+            ]
+        )
     bar.close()
     seconds = time.perf_counter() - t0
     if todo:
         record_run(out, {**(source or {}), "backend": backend, "new_rows": len(todo), "new_tokens": new_tokens})
-    return {"rows": len(shards.done), "new_rows": len(todo), "new_tokens": new_tokens, "seconds": seconds,
-            "tokens_per_s": new_tokens / seconds if seconds else 0.0}  # fmt: skip
+    return {
+        "rows": len(shards.done),
+        "new_rows": len(todo),
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+    }
 
 
-def compare_backends(model, tokenizer, prompts: list[Prompt], out: str | Path, max_new_tokens: int,
-                     batch_size: int) -> dict:  # fmt: skip
+def compare_backends(
+    model, tokenizer, prompts: list[Prompt], out: str | Path, max_new_tokens: int, batch_size: int
+) -> dict:
     """Distil `prompts` with transformers' `generate` (stock kernels) and then with the batched loop, into
     `out`/hf and `out`/batched (empty folders), at T = 0; returns both runs' figures and how many rows agree."""
     runs = {}

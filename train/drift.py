@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from headstart.heads.checkpoint import HeadsConfig
+from headstart.heads.checkpoint import CheckpointConfig
 from headstart.runtime.engine import Engine
 from headstart.train.medusa2 import self_distillation_kl
 
@@ -34,7 +34,7 @@ def held_out_prompts(heads_dir: str | Path, limit: int, data_path: str | None = 
     """The prompts (token ids) of the rows the heads' training run held out, as it chose them."""
     from headstart.train.data import load_rows, split_rows
 
-    config = HeadsConfig.find(heads_dir)
+    config = CheckpointConfig.find(heads_dir)
     if config is None:
         raise ValueError(f"{heads_dir} has no config.json of a training run: give `prompts` (a prompt file)")
     data = (config.training or {}).get("data", {})
@@ -58,8 +58,10 @@ def measure_drift(engine: Engine, prompts: list[list[int]], max_new_tokens: int 
             original = engine.generate(ids, max_new_tokens=max_new_tokens).token_ids
             logits_p = _answer_logits(model, ids, original)
         logits_q = _answer_logits(model, ids, original)
-        prefix = next((i for i, (a, b) in enumerate(zip(adapted, original, strict=False)) if a != b),
-                      min(len(adapted), len(original)))  # fmt: skip
+        prefix = next(
+            (i for i, (a, b) in enumerate(zip(adapted, original, strict=False)) if a != b),
+            min(len(adapted), len(original)),
+        )
         kl = self_distillation_kl(logits_q, logits_p).item() if len(original) else 0.0
         results.append(PromptDrift(len(ids), adapted == original, prefix, kl, len(original)))
     return results

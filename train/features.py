@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from headstart.runtime.target import features
 from headstart.train.data import Row, collate, make_batches
-from headstart.train.shard import forwards_to_match
+from headstart.train.fsdp import forwards_to_match
 
 CHUNK = 256  # rows per file
 
@@ -90,11 +90,19 @@ class FeatureCache:
         """Rows this process must compute: every world-th row without a valid entry, from `rank`."""
         return [i for i in range(len(self.rows)) if i not in self.where][rank::world]
 
-    def build(self, model, pad_id: int, batch_tokens: int, rank: int = 0, world: int = 1, progress: bool = True,
-              lockstep: bool = False) -> int:  # fmt: skip
+    def build(
+        self,
+        model,
+        pad_id: int,
+        batch_tokens: int,
+        rank: int = 0,
+        world: int = 1,
+        progress: bool = True,
+        lockstep: bool = False,
+    ) -> int:
         """Compute and save this process's missing rows, CHUNK per file; returns how many rows were computed.
         Other processes' files are not re-read here: `scan()` after every process has built. `lockstep`: the
-        target is sharded over the processes (`train/shard.py`), so each runs as many forwards as the busiest."""
+        target is sharded over the processes (`train/fsdp.py`), so each runs as many forwards as the busiest."""
         from tqdm import tqdm
 
         todo = self.missing(rank, world)
@@ -104,8 +112,9 @@ class FeatureCache:
         spare = forwards_to_match(sum(len(groups) for _, groups in plan), device) if lockstep else 0
         if todo:
             self.dir.mkdir(parents=True, exist_ok=True)
-        bar = tqdm(total=len(todo), desc="target features", unit="row", disable=not progress or not todo,
-                   dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=len(todo), desc="target features", unit="row", disable=not progress or not todo, dynamic_ncols=True
+        )
         for rows, groups in plan:
             tensors: dict[str, torch.Tensor] = {}
             for group in groups:

@@ -43,8 +43,8 @@ from headstart.train.config import (
 from headstart.train.data import Row, collate, load_rows, make_batches, split_rows
 from headstart.train.evaluate import rank_hits, summarize
 from headstart.train.features import FeatureCache, target_features
+from headstart.train.fsdp import fsdp_launch, held_share, shard_target
 from headstart.train.medusa2 import AdaptedTarget, attach_lora, drift_kl, medusa2_loss, save_adapter
-from headstart.train.shard import fsdp_launch, held_share, shard_target
 from headstart.train.sources import answered_ids, check_sources
 
 
@@ -60,9 +60,15 @@ def load_target(cfg: TrainConfig):
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL), local_files_only=True)
         torch.manual_seed(cfg.seed)
         config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        )  # fmt: skip
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
         model = LlamaForCausalLM(config).eval().requires_grad_(False)
         model.config.name_or_path = "tiny"
         return model, tokenizer
@@ -117,8 +123,12 @@ class Trainer:
         self.sharded = shard_target(model, accelerator)  # an FSDP launch: each process holds 1/N of the target
         if self.sharded:
             held, total = held_share(model)
-            print(f"headstart: process {accelerator.process_index} of {accelerator.num_processes} holds {held} of the "
-                  f"target's {total} decoder-layer weights", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"headstart: process {accelerator.process_index} of {accelerator.num_processes} holds {held} of the "
+                f"target's {total} decoder-layer weights",
+                file=sys.stderr,
+                flush=True,
+            )
         self.features = self.cache_features(rows) if cfg.data.features else None
         if cfg.heads.draft_vocab and not cfg.heads.keep_vocab:
             responses = (row.input_ids[row.n_prompt :] for row in self.train_rows)
@@ -134,8 +144,9 @@ class Trainer:
             self.model = attach_lora(model, cfg.heads.lora)
             trained = AdaptedTarget(self.model, heads)
             groups.append({"params": [p for p in self.model.parameters() if p.requires_grad], "lr": cfg.heads.lora.lr})
-        optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                      weight_decay=cfg.optim.weight_decay)  # fmt: skip
+        optimizer = torch.optim.AdamW(
+            groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         # `self.module`: what trains, as Accelerate wrapped it (DDP ...); its forward is what a step runs first
         self.module, self.optimizer = accelerator.prepare(trained, optimizer)
@@ -174,8 +185,15 @@ class Trainer:
         key = {**target_fingerprint(self.model, self.tokenizer, self.cfg.target.model), "dtype": str(self.model.dtype)}
         cache = FeatureCache(ensure_writable_dir(self.cfg.data.features), rows, key, self.layers)
         acc.wait_for_everyone()  # every process has scanned what exists before any writes more: their shares agree
-        built = cache.build(self.model, self.pad_id, self.cfg.data.batch_tokens, acc.process_index,
-                            acc.num_processes, progress=acc.is_local_main_process, lockstep=self.sharded)  # fmt: skip
+        built = cache.build(
+            self.model,
+            self.pad_id,
+            self.cfg.data.batch_tokens,
+            acc.process_index,
+            acc.num_processes,
+            progress=acc.is_local_main_process,
+            lockstep=self.sharded,
+        )
         acc.wait_for_everyone()
         cache.scan()
         acc.print(f"headstart: target features of {len(rows)} rows from {cache.dir} ({built} computed now)")
@@ -192,9 +210,18 @@ class Trainer:
         """The training loss of one micro-batch at optimizer step `step` (0-based)."""
         cfg = self.cfg.heads
         if self.kind.trains_target:  # Medusa-2: the adapted target's features, with gradient into its LoRA
-            return medusa2_loss(self.module, self.heads, self.readout_f32, self.lm_head_weight, batch["input_ids"],
-                                batch["attention_mask"], batch["loss_mask"], cfg.num_heads, cfg.lora.kl_weight,
-                                self.readout.to_draft)  # fmt: skip
+            return medusa2_loss(
+                self.module,
+                self.heads,
+                self.readout_f32,
+                self.lm_head_weight,
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["loss_mask"],
+                cfg.num_heads,
+                cfg.lora.kl_weight,
+                self.readout.to_draft,
+            )
         return self.kind.loss(self.module, self.heads, self.target_features(batch), batch, self.tools, step)
 
     @property
@@ -292,8 +319,13 @@ class Trainer:
         tokens, t0 = 0, time.perf_counter()
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.optim.max_steps, initial=start, desc=f"train {cfg.heads.kind}",
-                   disable=not acc.is_local_main_process, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=cfg.optim.max_steps,
+            initial=start,
+            desc=f"train {cfg.heads.kind}",
+            disable=not acc.is_local_main_process,
+            dynamic_ncols=True,
+        )
         metrics: dict[str, float] = {}
         best = self.best_so_far(out / "best")  # the best held-out acceptance's heads are kept in out/best
         if start == 0 and cfg.heads.init_from and self.eval_rows:  # where the trained heads start, on this data
@@ -319,8 +351,13 @@ class Trainer:
             if done % cfg.log_every == 0 or done == cfg.optim.max_steps:
                 seconds = time.perf_counter() - t0
                 total = acc.reduce(torch.tensor(total, device=acc.device), "mean").item()  # over processes
-                record.update({"train/loss": total, "lr": self.scheduler.get_last_lr()[0],
-                               "train/tokens_per_s": tokens * world / seconds})  # fmt: skip
+                record.update(
+                    {
+                        "train/loss": total,
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "train/tokens_per_s": tokens * world / seconds,
+                    }
+                )
                 bar.set_postfix(loss=f"{total:.3f}")
             if self.eval_rows and (done % cfg.eval_every == 0 or done == cfg.optim.max_steps):
                 metrics = self.evaluate()
@@ -405,8 +442,12 @@ def init_from_trained(heads: nn.Module, directory: str, model, tokenizer, keep_v
         if hasattr(trained, "lm_head"):  # EAGLE-3
             state["lm_head.weight"], carried = carry_rows(trained, heads)
             n = len(state["lm_head.weight"])
-            print(f"headstart: heads.init_from: {carried:,} of {n:,} draft tokens keep their trained lm_head rows, "
-                  "the others start from the target's", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"headstart: heads.init_from: {carried:,} of {n:,} draft tokens keep their trained lm_head rows, "
+                "the others start from the target's",
+                file=sys.stderr,
+                flush=True,
+            )
         missing, unexpected = heads.load_state_dict(state, strict=False)
     except ConfigError:
         raise
@@ -457,13 +498,16 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
     if cfg.heads.unroll < 1:
         raise ConfigError(f"heads.unroll must be >= 1, got {cfg.heads.unroll}")
     if lora and cfg.data.features:
-        raise ConfigError(f"data.features: a {lora[0]} run cannot use a feature cache (the target's features change as "
-                          "its LoRA trains); remove data.features")  # fmt: skip
+        raise ConfigError(
+            f"data.features: a {lora[0]} run cannot use a feature cache (the target's features change as "
+            "its LoRA trains); remove data.features"
+        )
     if cfg.target.adapter and cfg.target.model == "tiny":
         raise ConfigError("target.adapter: the built-in `tiny` target takes no adapter (save a model, pass its path)")
     if lora and cfg.target.adapter:
-        raise ConfigError(f"target.adapter: a {lora[0]} run trains its own LoRA on the base model; remove "
-                          "target.adapter")  # fmt: skip
+        raise ConfigError(
+            f"target.adapter: a {lora[0]} run trains its own LoRA on the base model; remove target.adapter"
+        )
     if len(kinds) == 1:
         return {kinds[0]: run_one(cfg, last=True)}
     results = {}
@@ -486,13 +530,26 @@ def ensure_data(cfg: TrainConfig, model, tokenizer, accelerator) -> None:
             cfg.data.distill_prompts, permissive_only=True, limit=cfg.data.distill_limit, skip_malformed=True
         )
         if cfg.data.engine:
-            from headstart.train.engine import distill_with_engine
+            from headstart.train.distill_remote import distill_with_engine
 
-            distill_with_engine(cfg.data.engine, model, tokenizer, prompts, cfg.data.path,
-                                cfg.data.distill_max_new_tokens, concurrency=cfg.data.engine_concurrency)  # fmt: skip
+            distill_with_engine(
+                cfg.data.engine,
+                model,
+                tokenizer,
+                prompts,
+                cfg.data.path,
+                cfg.data.distill_max_new_tokens,
+                concurrency=cfg.data.engine_concurrency,
+            )
         else:
-            distill(model, tokenizer, prompts, cfg.data.path, max_new_tokens=cfg.data.distill_max_new_tokens,
-                    skip_ids=answered_ids(cfg.data.sources))  # fmt: skip
+            distill(
+                model,
+                tokenizer,
+                prompts,
+                cfg.data.path,
+                max_new_tokens=cfg.data.distill_max_new_tokens,
+                skip_ids=answered_ids(cfg.data.sources),
+            )
     accelerator.wait_for_everyone()
 
 
@@ -507,12 +564,13 @@ def make_accelerator(cfg: TrainConfig, log_with: str | None, out: Path):
     if cpu and deepspeed:
         PartialState(backend="gloo")
     mixed = cfg.mixed_precision or None  # None: what `accelerate launch --config_file ...` says (its environment)
-    accelerator = Accelerator(mixed_precision=mixed, log_with=log_with, project_dir=str(out),
-                              cpu=cpu and not deepspeed)  # fmt: skip
+    accelerator = Accelerator(mixed_precision=mixed, log_with=log_with, project_dir=str(out), cpu=cpu and not deepspeed)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         if cfg.optim.grad_accum != 1:  # DeepSpeed's engine steps at each backward the loop runs
-            raise ConfigError(f"optim.grad_accum: a DeepSpeed launch takes 1, not {cfg.optim.grad_accum} (raise "
-                              "data.batch_tokens or the number of processes instead)")  # fmt: skip
+            raise ConfigError(
+                f"optim.grad_accum: a DeepSpeed launch takes 1, not {cfg.optim.grad_accum} (raise "
+                "data.batch_tokens or the number of processes instead)"
+            )
         config = accelerator.state.deepspeed_plugin.deepspeed_config
         config["train_micro_batch_size_per_gpu"] = 1  # batches are token budgets: DeepSpeed only logs this number
         config["gradient_accumulation_steps"] = 1
@@ -533,8 +591,10 @@ def run_one(cfg: TrainConfig, last: bool = True) -> dict[str, float]:
     accelerator = make_accelerator(cfg, log_with, out)
     background.register(f"train {cfg.heads.kind} -> {cfg.output_dir}")  # benchmarks stop it while they measure
     if KINDS[cfg.heads.kind].trains_target and fsdp_launch(accelerator):
-        raise ConfigError(f"heads.kind: {cfg.heads.kind} trains a LoRA inside the target, which an FSDP launch would "
-                          "shard; launch it with configs/accelerate/ddp.yaml or deepspeed_zero2.yaml")  # fmt: skip
+        raise ConfigError(
+            f"heads.kind: {cfg.heads.kind} trains a LoRA inside the target, which an FSDP launch would "
+            "shard; launch it with configs/accelerate/ddp.yaml or deepspeed_zero2.yaml"
+        )
     set_seed(cfg.seed)
     model, tokenizer = load_target(cfg)
     ensure_data(cfg, model.to(accelerator.device), tokenizer, accelerator)

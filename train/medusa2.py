@@ -42,9 +42,12 @@ def attach_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     if bad:
         raise ConfigError(f"heads.lora.layers {bad} out of range: the target has layers 0..{n_layers - 1}")
     config = PeftLoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules) or "all-linear", layers_to_transform=list(cfg.layers) or None,
-    )  # fmt: skip
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules) or "all-linear",
+        layers_to_transform=list(cfg.layers) or None,
+    )
     try:
         with quiet_peft():
             adapted = get_peft_model(model, config)

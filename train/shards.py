@@ -1,6 +1,6 @@
 """The shard format of distilled rows: JSONL files `shard-00000.jsonl`, ... of
 `{"id", "category", "prompt_ids", "response_ids"}`, appended as rows finish, read back by training
-(`train/data.py`), sources (`train/sources.py`) and both distillers (`train/distill.py`, `train/engine.py`).
+(`train/data.py`), sources (`train/sources.py`) and both distillers (`train/distill.py`, `train/distill_remote.py`).
 """
 
 from __future__ import annotations

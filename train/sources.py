@@ -109,14 +109,18 @@ def check_sources(folders: list[str], model, tokenizer) -> None:
             raise SourceError(f"data source {folder}: no distilled shards (shard-*.jsonl) there")
         manifest = read_manifest(folder)
         if manifest is None:
-            print(f"headstart: warning: data source {folder} has no {MANIFEST}: what made its rows is not checked",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"headstart: warning: data source {folder} has no {MANIFEST}: what made its rows is not checked",
+                file=sys.stderr,
+            )
             continue
         differ = [k for k in _differences(made, manifest["made_by"]) if k in (*TARGET_KEYS, "chat_template_sha")]
         if differ:
             theirs = manifest["made_by"]["target"].get("name", "?")
-            raise SourceError(f"data source {folder} was distilled by another target or chat template ({theirs}: "
-                              f"{', '.join(differ)} differ)")  # fmt: skip
+            raise SourceError(
+                f"data source {folder} was distilled by another target or chat template ({theirs}: "
+                f"{', '.join(differ)} differ)"
+            )
 
 
 def answered_ids(folders: list[str]) -> frozenset[str]:

@@ -17,18 +17,29 @@ def add_parsers(sub) -> None:
     common.add_prepack_arg(b)
     common.add_adapter_args(b)
     b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {common.SPEC_BENCH})")
-    b.add_argument("--methods", default="plain,hf,lookup",
-                   help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
-                   f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH")  # fmt: skip
+    b.add_argument(
+        "--methods",
+        default="plain,hf,lookup",
+        help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
+        f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH",
+    )
     b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
     b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
     b.add_argument("--eagle3-heads", default=None, help="EAGLE-3 head directory (default: shipped)")
-    b.add_argument("--medusa2-heads", default=None,
-                   help="Medusa-2 heads directory (default: shipped); run on --model + their adapter")  # fmt: skip
-    b.add_argument("--heads", action="append", default=None, metavar="LABEL=DIR",
-                   help="compare heads side by side (repeatable): each method of their kind runs as METHOD@LABEL, "
-                   "beside METHOD@shipped; DIR: headstart heads or a published layout (Medusa, EAGLE, "
-                   "EAGLE-3)")  # fmt: skip
+    b.add_argument(
+        "--medusa2-heads",
+        default=None,
+        help="Medusa-2 heads directory (default: shipped); run on --model + their adapter",
+    )
+    b.add_argument(
+        "--heads",
+        action="append",
+        default=None,
+        metavar="LABEL=DIR",
+        help="compare heads side by side (repeatable): each method of their kind runs as METHOD@LABEL, "
+        "beside METHOD@shipped; DIR: headstart heads or a published layout (Medusa, EAGLE, "
+        "EAGLE-3)",
+    )
     common.add_tree_args(b)
     common.add_profile_arg(b)
     b.add_argument("--temperature", default="0", help="comma list of temperatures")
@@ -48,8 +59,12 @@ def add_parsers(sub) -> None:
         metavar="FILE",
         help="--breakdown: also write the table into FILE (docs/tuning.md), a section per dtype",
     )
-    b.add_argument("--report-to", default="none", choices=("none", "wandb"),
-                   help="also log the figures to W&B (offline without WANDB_API_KEY; `wandb sync` later)")  # fmt: skip
+    b.add_argument(
+        "--report-to",
+        default="none",
+        choices=("none", "wandb"),
+        help="also log the figures to W&B (offline without WANDB_API_KEY; `wandb sync` later)",
+    )
     b.set_defaults(run=cmd_bench)
 
     ck = sub.add_parser("check", help="a device check: float32 greedy identity of every drafter, then a short bench")
@@ -84,7 +99,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from headstart.runtime import background, bench
-    from headstart.runtime.calibrate import cpu_name
+    from headstart.runtime.cost_curve import cpu_name
     from headstart.runtime.engine import Engine
 
     common.check_lengths(args)
@@ -102,8 +117,12 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     options = common.flag_values(args, [k for k in common.FLAGS if k not in ("heads", "budget")])
-    options["heads"] = {"medusa": args.medusa_heads, "eagle": args.eagle_heads, "eagle3": args.eagle3_heads,
-                        "medusa2": args.medusa2_heads}  # fmt: skip
+    options["heads"] = {
+        "medusa": args.medusa_heads,
+        "eagle": args.eagle_heads,
+        "eagle3": args.eagle3_heads,
+        "medusa2": args.medusa2_heads,
+    }
     labelled = _labelled_heads(args.heads or [])
     methods = bench.label_methods(methods, labelled, args.model)
     unused = sorted(set(labelled) - {m.partition(bench.LABEL_SEP)[2] for m in methods})
@@ -148,8 +167,9 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     print(bench.markdown(table))
     print(f"records: {json_path}\ntable: {md_path}\nchart: {png_path}", file=sys.stderr)
     if args.breakdown:
-        text = (f"`{meta['command']}`\n\n{machine}; ms per round (prefill left out)\n\n"
-                + bench.breakdown_markdown(records))  # fmt: skip
+        text = f"`{meta['command']}`\n\n{machine}; ms per round (prefill left out)\n\n" + bench.breakdown_markdown(
+            records
+        )
         print(text)
         md_path.with_name(md_path.stem + "-breakdown.md").write_text(text)
         if args.breakdown_doc:
@@ -164,5 +184,6 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
 
     if not Path(args.prompts).is_file():
         raise common.UserError(f"prompts file not found: {args.prompts} (run from a checkout, or pass --prompts FILE)")
-    return run_check(args.model, args.device, args.prompts, args.identity_prompts, args.bench_prompts,
-                     args.max_new_tokens, args.out)  # fmt: skip
+    return run_check(
+        args.model, args.device, args.prompts, args.identity_prompts, args.bench_prompts, args.max_new_tokens, args.out
+    )

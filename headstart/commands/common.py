@@ -15,9 +15,17 @@ SPEC_BENCH = "../shared/data/eval/spec_bench.jsonl"  # Spec-Bench's question.jso
 TEST_PROMPTS = "tests/data/prompts.jsonl"  # 32 prompts written for this project (tests/data/README.md)
 
 # CLI flag of each drafter option (registry.option_names): the flags users type, named in errors.
-FLAGS = {"heads": "--heads", "budget": "--tree-budget", "depth": "--tree-depth", "top_k": "--tree-top-k",
-         "draft_vocab": "--draft-vocab", "draft_model": "--draft-model", "draft_layers": "--draft-layers",
-         "allow_adapter_mismatch": "--allow-adapter-mismatch", "draft_temperature": "--draft-temperature"}  # fmt: skip
+FLAGS = {
+    "heads": "--heads",
+    "budget": "--tree-budget",
+    "depth": "--tree-depth",
+    "top_k": "--tree-top-k",
+    "draft_vocab": "--draft-vocab",
+    "draft_model": "--draft-model",
+    "draft_layers": "--draft-layers",
+    "allow_adapter_mismatch": "--allow-adapter-mismatch",
+    "draft_temperature": "--draft-temperature",
+}
 
 
 class UserError(Exception):
@@ -36,48 +44,88 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 
 
 def add_prepack_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-prepack", action="store_true",
-                   help="keep the stock linear kernels (default: prepacked on a CPU; docs/tuning.md)")  # fmt: skip
+    p.add_argument(
+        "--no-prepack",
+        action="store_true",
+        help="keep the stock linear kernels (default: prepacked on a CPU; docs/tuning.md)",
+    )
 
 
 def add_adapter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapter", default=None, metavar="DIR",
-                   help="a peft LoRA adapter directory applied on top of --model, merged into its weights")  # fmt: skip
-    p.add_argument("--no-merge", action="store_true",
-                   help="--adapter: keep the adapter live instead of merging it (slower, the same output)")  # fmt: skip
+    p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="a peft LoRA adapter directory applied on top of --model, merged into its weights",
+    )
+    p.add_argument(
+        "--no-merge",
+        action="store_true",
+        help="--adapter: keep the adapter live instead of merging it (slower, the same output)",
+    )
 
 
 def add_profile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default=None, choices=list(PROFILES),
-                   help=f"drafter defaults tuned for a model and machine (default: the model's own; {DEFAULT_MODEL} "
-                   "uses smollm2-135m-cpu, other models neutral; docs/tuning.md)")  # fmt: skip
+    p.add_argument(
+        "--profile",
+        default=None,
+        choices=list(PROFILES),
+        help=f"drafter defaults tuned for a model and machine (default: the model's own; {DEFAULT_MODEL} "
+        "uses smollm2-135m-cpu, other models neutral; docs/tuning.md)",
+    )
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tree-depth", type=at_least_one, default=None, help="eagle, eagle3, model, layerskip: drafting depth"
     )
-    p.add_argument("--tree-top-k", type=at_least_one, default=None,
-                   help="eagle, eagle3, model, layerskip: nodes expanded per depth and children per node "
-                   "(model, layerskip: 1 = a chain, their default)")  # fmt: skip
-    p.add_argument("--draft-vocab", type=at_least_one, default=None, metavar="N",
-                   help="medusa, eagle, eagle3: read out only the N most frequent draft tokens")  # fmt: skip
-    p.add_argument("--draft-temperature", type=float, default=None, metavar="F",
-                   help="medusa, eagle, eagle3 at T > 0: draw the guesses at the decode's temperature times F "
-                   "(< 1 sharpens the heads' q; exact at any F; default 1; docs/tuning.md)")  # fmt: skip
+    p.add_argument(
+        "--tree-top-k",
+        type=at_least_one,
+        default=None,
+        help="eagle, eagle3, model, layerskip: nodes expanded per depth and children per node "
+        "(model, layerskip: 1 = a chain, their default)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=at_least_one,
+        default=None,
+        metavar="N",
+        help="medusa, eagle, eagle3: read out only the N most frequent draft tokens",
+    )
+    p.add_argument(
+        "--draft-temperature",
+        type=float,
+        default=None,
+        metavar="F",
+        help="medusa, eagle, eagle3 at T > 0: draw the guesses at the decode's temperature times F "
+        "(< 1 sharpens the heads' q; exact at any F; default 1; docs/tuning.md)",
+    )
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")
-    p.add_argument("--allow-adapter-mismatch", action="store_true", default=None,
-                   help="run heads trained for another LoRA adapter, or none (exact; acceptance may drop)")  # fmt: skip
+    p.add_argument(
+        "--allow-adapter-mismatch",
+        action="store_true",
+        default=None,
+        help="run heads trained for another LoRA adapter, or none (exact; acceptance may drop)",
+    )
 
 
 def add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None:
-    p.add_argument("--drafter", default=default, metavar="SPEC",
-                   help=f"{', '.join(names())}; NAME:VALUE sets its first option (medusa:16, layerskip:8); "
-                   f"+lookup grafts prompt-lookup branches onto the tree (default {default})")  # fmt: skip
+    p.add_argument(
+        "--drafter",
+        default=default,
+        metavar="SPEC",
+        help=f"{', '.join(names())}; NAME:VALUE sets its first option (medusa:16, layerskip:8); "
+        f"+lookup grafts prompt-lookup branches onto the tree (default {default})",
+    )
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
-    p.add_argument("--tree-budget", type=at_least_one, default=None,
-                   help="nodes per tree (default: the drafter's, from the profile)")  # fmt: skip
+    p.add_argument(
+        "--tree-budget",
+        type=at_least_one,
+        default=None,
+        help="nodes per tree (default: the drafter's, from the profile)",
+    )
     add_tree_args(p)
     add_profile_arg(p)
 
@@ -126,8 +174,17 @@ def load_engine(args: argparse.Namespace):
     from headstart.runtime.engine import Engine
 
     options = drafter_options(args, args.drafter)  # checked before the model loads
-    return Engine.load(args.model, args.dtype, args.drafter, args.device, args.profile, args.adapter,
-                       not args.no_merge, not args.no_prepack, **options)  # fmt: skip
+    return Engine.load(
+        args.model,
+        args.dtype,
+        args.drafter,
+        args.device,
+        args.profile,
+        args.adapter,
+        not args.no_merge,
+        not args.no_prepack,
+        **options,
+    )
 
 
 def sampling_params(temperature: float, top_k: int = 0, top_p: float = 1.0):

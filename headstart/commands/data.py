@@ -22,8 +22,12 @@ def add_parsers(sub) -> None:
     ds.add_argument("--prompts", default="../shared/data/train/prompts.jsonl", help="JSONL rows with 'turns'")
     ds.add_argument("--out", required=True, help="folder for the JSONL shards (resumes if it has some)")
     ds.add_argument("--permissive-only", action="store_true", help="only rows with permissive: true")
-    ds.add_argument("--derive", default=None, choices=tuple(DERIVED),
-                    help="instead of --prompts: prompts of this task over the answers already in --out")  # fmt: skip
+    ds.add_argument(
+        "--derive",
+        default=None,
+        choices=tuple(DERIVED),
+        help="instead of --prompts: prompts of this task over the answers already in --out",
+    )
     ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
     ds.add_argument(
         "--only",
@@ -35,23 +39,45 @@ def add_parsers(sub) -> None:
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
     ds.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
-    ds.add_argument("--backend", default="batched", choices=BACKENDS,
-                    help="batched: continuous batching (default); hf: transformers' generate")  # fmt: skip
-    ds.add_argument("--compare-backends", action="store_true",
-                    help="benchmark: answer the prompts with both backends (T = 0) into OUT/hf and OUT/batched, "
-                    "print both rates and how many rows agree")  # fmt: skip
-    ds.add_argument("--also", action="append", default=[], metavar="DIR",
-                    help="distilled folders beside --out: ids in them are not answered again (repeatable)")  # fmt: skip
-    ds.add_argument("--exclude", action="append", default=None, metavar="FILE",
-                    help="prompt files held out of distillation, by id, source id or text (repeatable; default: "
-                    "configs/tune-prompts.jsonl, configs/tune-derived.jsonl and Spec-Bench where present)")  # fmt: skip
+    ds.add_argument(
+        "--backend",
+        default="batched",
+        choices=BACKENDS,
+        help="batched: continuous batching (default); hf: transformers' generate",
+    )
+    ds.add_argument(
+        "--compare-backends",
+        action="store_true",
+        help="benchmark: answer the prompts with both backends (T = 0) into OUT/hf and OUT/batched, "
+        "print both rates and how many rows agree",
+    )
+    ds.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="distilled folders beside --out: ids in them are not answered again (repeatable)",
+    )
+    ds.add_argument(
+        "--exclude",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="prompt files held out of distillation, by id, source id or text (repeatable; default: "
+        "configs/tune-prompts.jsonl, configs/tune-derived.jsonl and Spec-Bench where present)",
+    )
     ds.add_argument("--no-prepack", action="store_true", help="stock linear kernels (runtime/kernels.py)")
-    ds.add_argument("--engine", default=None, metavar="URL",
-                    help="answer on this OpenAI-compatible server (vLLM, SGLang, headstart serve), not locally; "
-                    "--model is the target it must serve (checked on a probe prompt)")  # fmt: skip
+    ds.add_argument(
+        "--engine",
+        default=None,
+        metavar="URL",
+        help="answer on this OpenAI-compatible server (vLLM, SGLang, headstart serve), not locally; "
+        "--model is the target it must serve (checked on a probe prompt)",
+    )
     ds.add_argument("--concurrency", type=common.at_least_one, default=16, help="--engine: requests in flight")
-    ds.add_argument("--api-key", default=None, metavar="KEY",
-                    help="--engine: the server's key (default: $HEADSTART_API_KEY)")  # fmt: skip
+    ds.add_argument(
+        "--api-key", default=None, metavar="KEY", help="--engine: the server's key (default: $HEADSTART_API_KEY)"
+    )
     ds.add_argument("--retries", type=int, default=5, help="--engine: retries of a failed request, with backoff")
     ds.add_argument(
         "--no-model-check", action="store_true", help="--engine: skip the probe that the server serves --model"
@@ -64,8 +90,9 @@ def add_parsers(sub) -> None:
     dr.add_argument("--model", default=None, help="the base model (default: the one the heads were trained for)")
     dr.add_argument("--dtype", default="float32", choices=DTYPES)
     dr.add_argument("--device", default="cpu")
-    dr.add_argument("--prompts", default=None,
-                    help="JSONL prompt file (default: the prompts the heads' training run held out)")  # fmt: skip
+    dr.add_argument(
+        "--prompts", default=None, help="JSONL prompt file (default: the prompts the heads' training run held out)"
+    )
     dr.add_argument("--data", default=None, help="the training run's distilled data, if it moved")
     dr.add_argument("--limit", type=common.at_least_one, default=20, help="prompts")
     dr.add_argument("--max-new-tokens", type=common.at_least_one, default=128)
@@ -104,8 +131,9 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
         if not Path(f).is_file():
             raise common.UserError(f"--exclude {f}: no such file")
     if args.derive is None:
-        prompts = load_prompts(args.prompts, permissive_only=args.permissive_only, limit=args.limit,
-                               skip_malformed=True)  # fmt: skip
+        prompts = load_prompts(
+            args.prompts, permissive_only=args.permissive_only, limit=args.limit, skip_malformed=True
+        )
         if args.only is not None:
             wanted = set(read_ids(args.only))
             prompts = [p for p in prompts if p.id in wanted]
@@ -133,29 +161,52 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
         (Path(args.out) / "compare.json").write_text(json.dumps(result, indent=2))
         return 0
     if args.engine:
-        from headstart.train.engine import distill_with_engine
+        from headstart.train.distill_remote import distill_with_engine
 
-        stats = distill_with_engine(args.engine, model, tokenizer, prompts, args.out, args.max_new_tokens,
-                                    args.temperature, args.concurrency, args.seed, args.retries,
-                                    check_model=not args.no_model_check,
-                                    api_key=common.given_api_key(args))  # fmt: skip
+        stats = distill_with_engine(
+            args.engine,
+            model,
+            tokenizer,
+            prompts,
+            args.out,
+            args.max_new_tokens,
+            args.temperature,
+            args.concurrency,
+            args.seed,
+            args.retries,
+            check_model=not args.no_model_check,
+            api_key=common.given_api_key(args),
+        )
     else:
         background.register(f"distill -> {args.out}")  # benchmarks stop it while they measure
-        stats = distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size,
-                        seed=args.seed, backend=args.backend, skip_ids=answered_ids(args.also),
-                        prepack=not args.no_prepack, source=source)  # fmt: skip
-    summary = (f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
-               f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s")  # fmt: skip
+        stats = distill(
+            model,
+            tokenizer,
+            prompts,
+            args.out,
+            args.max_new_tokens,
+            args.temperature,
+            args.batch_size,
+            seed=args.seed,
+            backend=args.backend,
+            skip_ids=answered_ids(args.also),
+            prepack=not args.no_prepack,
+            source=source,
+        )
+    summary = (
+        f"distilled {stats['new_rows']} new rows ({stats['rows']} in {args.out}): {stats['new_tokens']} tokens "
+        f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s"
+    )
     print(summary, file=sys.stderr)
     return 0
 
 
 def cmd_drift(args: argparse.Namespace, argv: list[str]) -> int:
-    from headstart.heads.checkpoint import HeadsConfig
+    from headstart.heads.checkpoint import CheckpointConfig
     from headstart.runtime.engine import Engine
     from headstart.train.drift import held_out_prompts, measure_drift, save_drift, summarize_drift
 
-    heads = HeadsConfig.find(args.adapter)  # Medusa-2 heads hold their adapter; a bare adapter names no target
+    heads = CheckpointConfig.find(args.adapter)  # Medusa-2 heads hold their adapter; a bare adapter names no target
     trained_for = heads.target.get("name") if heads is not None else None
     model = args.model or trained_for or DEFAULT_MODEL
     engine = Engine.load(model, args.dtype, "none", args.device, adapter=args.adapter, merge_adapter=False)

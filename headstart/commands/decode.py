@@ -35,9 +35,13 @@ def add_parsers(sub) -> None:
     common.add_model_args(d, "float32")
     common.add_prepack_arg(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--drafter", default=DEFAULT_DRAFTER, metavar="SPEC",
-                   help=f"the speculative side: {', '.join(names())} (trained ones use the heads shipped for "
-                   f"--model; default {DEFAULT_DRAFTER})")  # fmt: skip
+    d.add_argument(
+        "--drafter",
+        default=DEFAULT_DRAFTER,
+        metavar="SPEC",
+        help=f"the speculative side: {', '.join(names())} (trained ones use the heads shipped for "
+        f"--model; default {DEFAULT_DRAFTER})",
+    )
     common.add_profile_arg(d)
     d.set_defaults(run=cmd_demo)
 
@@ -80,5 +84,6 @@ def cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.runtime.demo import run_demo
 
     parse_spec(args.drafter)
-    return run_demo(args.model, args.dtype, args.device, args.max_new_tokens, args.drafter, args.profile,
-                    not args.no_prepack)  # fmt: skip
+    return run_demo(
+        args.model, args.dtype, args.device, args.max_new_tokens, args.drafter, args.profile, not args.no_prepack
+    )

@@ -18,8 +18,11 @@ def add_parsers(sub) -> None:
     common.add_prepack_arg(sv)
     common.add_adapter_args(sv)
     common.add_drafter_args(sv)
-    sv.add_argument("--served-model-name", default=None,
-                    help="the `model` clients pass (default: --model's last path part, never a path)")  # fmt: skip
+    sv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` clients pass (default: --model's last path part, never a path)",
+    )
     sv.add_argument("--max-body-mb", type=float, default=None, help="largest request body, larger gets 413 (default 4)")
     sv.add_argument(
         "--api-key",
@@ -31,10 +34,18 @@ def add_parsers(sub) -> None:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
     sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
-    sv.add_argument("--step-aside-queue", type=int, default=None,
-                    help="decode plainly while more than this many requests wait (default: never)")  # fmt: skip
-    sv.add_argument("--min-acceptance", type=float, default=None,
-                    help="decode plainly a while when recent rounds make fewer tokens a pass")  # fmt: skip
+    sv.add_argument(
+        "--step-aside-queue",
+        type=int,
+        default=None,
+        help="decode plainly while more than this many requests wait (default: never)",
+    )
+    sv.add_argument(
+        "--min-acceptance",
+        type=float,
+        default=None,
+        help="decode plainly a while when recent rounds make fewer tokens a pass",
+    )
     sv.set_defaults(run=cmd_serve)
 
     lt = sub.add_parser("loadtest", help="latency and throughput of a running `headstart serve`")
@@ -45,9 +56,14 @@ def add_parsers(sub) -> None:
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {common.SPEC_BENCH})")
     lt.add_argument("--out", default=None, help="also write the results as JSON here")
-    lt.add_argument("--soak", type=float, default=None, metavar="SECONDS",
-                    help="instead: a soak of valid, malformed, disconnecting and oversized requests from --clients "
-                    "clients (one level) for SECONDS; counts by kind and status, /health p99, server RSS")  # fmt: skip
+    lt.add_argument(
+        "--soak",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="instead: a soak of valid, malformed, disconnecting and oversized requests from --clients "
+        "clients (one level) for SECONDS; counts by kind and status, /health p99, server RSS",
+    )
     lt.set_defaults(run=cmd_loadtest)
 
 
@@ -72,22 +88,33 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
             raise common.UserError(f"{flag} must be > 0, got {value}")
     if args.step_aside_queue is not None and args.step_aside_queue < 0:
         raise common.UserError(f"--step-aside-queue must be >= 0, got {args.step_aside_queue}")
-    options = {"max_queue": args.max_queue, "time_limit_s": args.time_limit, "step_aside_queue": args.step_aside_queue,
-               "min_acceptance": args.min_acceptance}  # fmt: skip
+    options = {
+        "max_queue": args.max_queue,
+        "time_limit_s": args.time_limit,
+        "step_aside_queue": args.step_aside_queue,
+        "min_acceptance": args.min_acceptance,
+    }
     if args.max_body_mb is not None:
         if args.max_body_mb <= 0:
             raise common.UserError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
         options["max_body_bytes"] = int(args.max_body_mb * (1 << 20))
-    config = ServeConfig(served_name(args.model, args.served_model_name),
-                         **{k: v for k, v in options.items() if v is not None})  # fmt: skip
+    config = ServeConfig(
+        served_name(args.model, args.served_model_name), **{k: v for k, v in options.items() if v is not None}
+    )
     api_key = common.given_api_key(args)
     if api_key is None and args.host not in LOOPBACK:
-        print(f"headstart: warning: serving on {args.host} without an API key: anyone who reaches it can use it "
-              "(--api-key or HEADSTART_API_KEY)", file=sys.stderr)  # fmt: skip
+        print(
+            f"headstart: warning: serving on {args.host} without an API key: anyone who reaches it can use it "
+            "(--api-key or HEADSTART_API_KEY)",
+            file=sys.stderr,
+        )
     engine = common.load_engine(args)
     auth = "an API key required" if api_key else "no API key"
-    print(f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1, {auth} "
-          f"({dataclasses.asdict(config)})", file=sys.stderr)  # fmt: skip
+    print(
+        f"headstart: serving {config.model_name} on http://{args.host}:{args.port}/v1, {auth} "
+        f"({dataclasses.asdict(config)})",
+        file=sys.stderr,
+    )
     uvicorn.run(build_app(engine, config, api_key), host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -117,8 +144,10 @@ def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps({"server": health, "soak": result}, indent=2))
         return 0
-    rows = [loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens,
-                               api_key) for c in levels]  # fmt: skip
+    rows = [
+        loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens, api_key)
+        for c in levels
+    ]
     print(loadtest.markdown(rows, health["drafter"]))
     if args.out:
         Path(args.out).write_text(json.dumps({"server": health, "levels": rows}, indent=2))

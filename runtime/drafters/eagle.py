@@ -21,7 +21,7 @@ point mass. A dynamic tree cannot be sampled this way: keeping the likeliest dra
 which tokens are proposed. A sampled node gets children only when its path is at least `min_prob` likely
 under q (a function of the path alone: exact).
 
-With a `sizer` (`runtime.calibrate.LiveSizer`, set by `Engine.make_drafter` for calibrated heads) the
+With a `sizer` (`runtime.cost_curve.LiveSizer`, set by `Engine.make_drafter` for calibrated heads) the
 drafter reports after every round how many of its own nodes were accepted (grafted lookup nodes not
 counted) and takes the budget, depth or sampled shape the sizer chooses from them (`resize`).
 """
@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.masks import additive_mask
-from headstart.runtime.calibrate import LiveSizer, TreeChoice
+from headstart.runtime.cost_curve import LiveSizer, TreeChoice
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.kernels import prepack_like_target

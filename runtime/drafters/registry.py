@@ -118,11 +118,14 @@ def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Draft
     if accuracy is None:
         why = "measured 0 for every rank" if config.rank_accuracy else "carry no measured per-rank accuracies"
         accuracy = prior_rank_accuracy(module.num_heads)
-        warnings.warn(f"the {kind} heads {why}: their tree comes from a prior (runtime/tree.py, "
-                      "prior_rank_accuracy)", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"the {kind} heads {why}: their tree comes from a prior (runtime/tree.py, prior_rank_accuracy)",
+            stacklevel=2,
+        )
     shape = choose_tree_shape(accuracy, options.budget)
-    drafter = MedusaDrafter(module, ctx.model.get_output_embeddings(), shape, _readout_limit(options, config),
-                            options.draft_temperature)  # fmt: skip
+    drafter = MedusaDrafter(
+        module, ctx.model.get_output_embeddings(), shape, _readout_limit(options, config), options.draft_temperature
+    )
     drafter.name = kind
     return drafter
 

@@ -39,8 +39,9 @@ class Completions:
     def __init__(self, engine: Engine, config: ServeConfig) -> None:
         self.engine, self.config = engine, config
         self.metrics = ServerMetrics()
-        self.worker = Worker(engine, self.metrics, config.max_queue, config.time_limit_s, config.step_aside_queue,
-                             config.min_acceptance)  # fmt: skip
+        self.worker = Worker(
+            engine, self.metrics, config.max_queue, config.time_limit_s, config.step_aside_queue, config.min_acceptance
+        )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the worker decodes with its own; a fast one is not shared
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="headstart-encode")
         self.longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
@@ -63,15 +64,23 @@ class Completions:
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
-            raise APIError(400, f"model '{clip(name)}' is not served here; this server serves "
-                           f"'{self.config.model_name}'", param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                400,
+                f"model '{clip(name)}' is not served here; this server serves '{self.config.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def too_long(self, chars: int, param: str) -> None:
         """Refuse text that cannot fit the context whatever its tokens, before spending time on tokenising it."""
         max_len = self.engine.target.max_len
         if chars > self.longest_token * max_len:
-            raise APIError(400, f"the {param} ({chars} characters) cannot fit the model's context of {max_len} "
-                           "tokens", param=param, code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"the {param} ({chars} characters) cannot fit the model's context of {max_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.encoder, fn, *args)
@@ -116,8 +125,12 @@ class Completions:
         try:
             self.worker.submit(job)
         except QueueFullError:
-            raise APIError(429, f"the server is busy: {self.config.max_queue} requests are waiting; retry later",
-                           type_="server_busy", code="queue_full") from None  # fmt: skip
+            raise APIError(
+                429,
+                f"the server is busy: {self.config.max_queue} requests are waiting; retry later",
+                type_="server_busy",
+                code="queue_full",
+            ) from None
         except WorkerDeadError:
             raise APIError(503, "the model worker is not running", type_="server_error", code="worker_dead") from None
         return job
@@ -125,8 +138,12 @@ class Completions:
     async def answer(self, body, prompt_ids: list[int], request: Request, chat: bool) -> Response:
         """The request's answer: whole, or streamed when it asks; a client that leaves cancels its job."""
         job = self.submit(body, prompt_ids, chat)
-        head = {"id": completion_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else
-                "text_completion", "created": now(), "model": self.config.model_name}  # fmt: skip
+        head = {
+            "id": completion_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": self.config.model_name,
+        }
         if body.streaming:
             events = self.stream_events(job, head, chat, body.stream_options, len(prompt_ids), request.url.path)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -139,8 +156,9 @@ class Completions:
         keep = ("acceptance_length", "target_passes", "accepted_per_depth", "draft_ms", "verify_ms", "tokens_per_s")
         return {**{k: stats[k] for k in keep}, "time_to_first_token_s": job.first_token_s, "timed_out": job.timed_out}
 
-    async def whole(self, job: Job, head: dict, chat: bool, token_ids: bool, n_prompt: int, request: Request
-                    ) -> Response:  # fmt: skip
+    async def whole(
+        self, job: Job, head: dict, chat: bool, token_ids: bool, n_prompt: int, request: Request
+    ) -> Response:
         path, parts = request.url.path, []
         left = asyncio.ensure_future(wait_for_disconnect(request))
         try:
@@ -168,13 +186,18 @@ class Completions:
             left.cancel()
         self.metrics.requests.labels(endpoint=path_label(path), status="200").inc()
         self.metrics.prompt_tokens.inc(n_prompt)
-        return JSONResponse({
-            **head, "choices": [choice(chat, "".join(parts), value, token_ids=job.token_ids if token_ids else None)],
-            "usage": usage(n_prompt, job.stats.new_tokens), "headstart": self.extra(job),
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                **head,
+                "choices": [choice(chat, "".join(parts), value, token_ids=job.token_ids if token_ids else None)],
+                "usage": usage(n_prompt, job.stats.new_tokens),
+                "headstart": self.extra(job),
+            }
+        )
 
-    async def stream_events(self, job: Job, head: dict, chat: bool, options, n_prompt: int, path: str
-                            ) -> AsyncIterator[str]:  # fmt: skip
+    async def stream_events(
+        self, job: Job, head: dict, chat: bool, options, n_prompt: int, path: str
+    ) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         status = "499"  # unless the stream completes
         try:
@@ -189,8 +212,11 @@ class Completions:
                     yield sse(APIError(500, value, type_="server_error").body())
                     break
                 else:
-                    final = {**head, "choices": [choice(chat, None, value, first, stream=True)],
-                             "headstart": self.extra(job)}  # fmt: skip
+                    final = {
+                        **head,
+                        "choices": [choice(chat, None, value, first, stream=True)],
+                        "headstart": self.extra(job),
+                    }
                     yield sse(final)
                     if options is not None and options.include_usage:
                         yield sse({**head, "choices": [], "usage": usage(n_prompt, job.stats.new_tokens)})

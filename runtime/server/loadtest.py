@@ -29,8 +29,14 @@ def percentile(values: list[float], q: float) -> float:
 
 def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> dict:
     """Stream one chat completion; latency, time to first token, tokens and the server's speculative stats."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first, tokens, extra = None, 0, {}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -46,8 +52,13 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) 
                 tokens = chunk["usage"]["completion_tokens"]
             extra = chunk.get("headstart", extra)
     latency = time.perf_counter() - t0
-    return {"status": 200, "latency_s": latency, "ttft_s": first if first is not None else latency, "tokens": tokens,
-            "acceptance_length": extra.get("acceptance_length", 0.0)}  # fmt: skip
+    return {
+        "status": 200,
+        "latency_s": latency,
+        "ttft_s": first if first is not None else latency,
+        "tokens": tokens,
+        "acceptance_length": extra.get("acceptance_length", 0.0),
+    }
 
 
 def auth(api_key: str | None) -> dict[str, str] | None:
@@ -60,8 +71,10 @@ def run_level(
 ) -> dict:
     def client_job(c: int) -> list[dict]:
         with httpx.Client(base_url=url, timeout=None, headers=auth(api_key)) as client:
-            return [one_request(client, model, prompts[(c * per_client + i) % len(prompts)], max_tokens)
-                    for i in range(per_client)]  # fmt: skip
+            return [
+                one_request(client, model, prompts[(c * per_client + i) % len(prompts)], max_tokens)
+                for i in range(per_client)
+            ]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -70,18 +83,30 @@ def run_level(
     ok = [r for r in results if r["status"] == 200]
     lat, ttft = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]
     return {
-        "clients": clients, "requests": len(results), "failed": len(results) - len(ok),
-        "p50_latency_s": percentile(lat, 0.5), "p95_latency_s": percentile(lat, 0.95),
-        "p50_ttft_s": percentile(ttft, 0.5), "p95_ttft_s": percentile(ttft, 0.95),
-        "tokens_per_s": sum(r["tokens"] for r in ok) / wall, "wall_s": wall,
+        "clients": clients,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "p50_latency_s": percentile(lat, 0.5),
+        "p95_latency_s": percentile(lat, 0.95),
+        "p50_ttft_s": percentile(ttft, 0.5),
+        "p95_ttft_s": percentile(ttft, 0.95),
+        "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "wall_s": wall,
         "acceptance_length": statistics.fmean(r["acceptance_length"] for r in ok) if ok else 0.0,
-    }  # fmt: skip
+    }
 
 
-COLUMNS = [("clients", "clients", "{}"), ("requests", "requests", "{}"), ("failed", "failed", "{}"),
-           ("p50_latency_s", "p50 latency s", "{:.2f}"), ("p95_latency_s", "p95 latency s", "{:.2f}"),
-           ("p50_ttft_s", "p50 TTFT s", "{:.2f}"), ("p95_ttft_s", "p95 TTFT s", "{:.2f}"),
-           ("tokens_per_s", "tok/s", "{:.1f}"), ("acceptance_length", "tau", "{:.2f}")]  # fmt: skip
+COLUMNS = [
+    ("clients", "clients", "{}"),
+    ("requests", "requests", "{}"),
+    ("failed", "failed", "{}"),
+    ("p50_latency_s", "p50 latency s", "{:.2f}"),
+    ("p95_latency_s", "p95 latency s", "{:.2f}"),
+    ("p50_ttft_s", "p50 TTFT s", "{:.2f}"),
+    ("p95_ttft_s", "p95 TTFT s", "{:.2f}"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("acceptance_length", "tau", "{:.2f}"),
+]
 
 
 def markdown(rows: list[dict], drafter: str) -> str:
@@ -93,14 +118,27 @@ def markdown(rows: list[dict], drafter: str) -> str:
 
 
 # What a soak client sends, with the status it must get (200 for the valid kinds).
-SOAK_KINDS = ("chat", "stream", "completion", "malformed_json", "wrong_type", "unknown_param", "bad_model",
-              "disconnect", "oversized")  # fmt: skip
+SOAK_KINDS = (
+    "chat",
+    "stream",
+    "completion",
+    "malformed_json",
+    "wrong_type",
+    "unknown_param",
+    "bad_model",
+    "disconnect",
+    "oversized",
+)
 
 
 def soak_request(client: httpx.Client, kind: str, model: str, prompt: str, rng) -> int:
     """One request of `kind`; its HTTP status (499 for a client that left on purpose)."""
-    chat = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(8, 48),
-            "temperature": rng.choice([0, 0.7, 1.0])}  # fmt: skip
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": rng.randint(8, 48),
+        "temperature": rng.choice([0, 0.7, 1.0]),
+    }
     if kind == "stream":
         with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
             for _ in r.iter_lines():
@@ -174,6 +212,14 @@ def soak(
     served = sum(n for (_, s), n in counts.items() if s == 200)
     errors = sum(n for (_, s), n in counts.items() if isinstance(s, int) and s >= 500)
     latency = {"health_p50_ms": 1e3 * percentile(health, 0.5), "health_p99_ms": 1e3 * percentile(health, 0.99)}
-    return {"seconds": seconds, "clients": clients, "requests": sum(counts.values()), "served_200": served,
-            "status_5xx": errors, "by_kind_and_status": by_kind, **latency, "rss_start_mb": rss_start,
-            "rss_end_mb": rss()}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "clients": clients,
+        "requests": sum(counts.values()),
+        "served_200": served,
+        "status_5xx": errors,
+        "by_kind_and_status": by_kind,
+        **latency,
+        "rss_start_mb": rss_start,
+        "rss_end_mb": rss(),
+    }

@@ -20,22 +20,37 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
-        self.requests = Counter("headstart_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)  # fmt: skip
+        self.requests = Counter(
+            "headstart_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.tokens = Counter("headstart_generated_tokens", "tokens generated", registry=r)
         self.prompt_tokens = Counter("headstart_prompt_tokens", "prompt tokens processed", registry=r)
         self.queue_depth = Gauge("headstart_queue_depth", "requests waiting for the model worker", registry=r)
         self.running = Gauge("headstart_running_requests", "requests being generated (0 or 1)", registry=r)
-        self.ttft = Histogram("headstart_time_to_first_token_seconds", "arrival to first generated token",
-                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r)  # fmt: skip
-        self.latency = Histogram("headstart_request_latency_seconds", "arrival to last token",
-                                 buckets=(0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160), registry=r)  # fmt: skip
-        self.acceptance = Histogram("headstart_acceptance_length", "tokens per target pass, one value per request",
-                                    buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8), registry=r)  # fmt: skip
-        self.accepted = Counter("headstart_accepted_draft_tokens", "draft tokens accepted at each tree depth",
-                                ["depth"], registry=r)  # fmt: skip
-        self.rounds = Counter("headstart_rounds", "target passes, speculative (with a tree) or plain", ["mode"],
-                              registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "headstart_time_to_first_token_seconds",
+            "arrival to first generated token",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.latency = Histogram(
+            "headstart_request_latency_seconds",
+            "arrival to last token",
+            buckets=(0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160),
+            registry=r,
+        )
+        self.acceptance = Histogram(
+            "headstart_acceptance_length",
+            "tokens per target pass, one value per request",
+            buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8),
+            registry=r,
+        )
+        self.accepted = Counter(
+            "headstart_accepted_draft_tokens", "draft tokens accepted at each tree depth", ["depth"], registry=r
+        )
+        self.rounds = Counter(
+            "headstart_rounds", "target passes, speculative (with a tree) or plain", ["mode"], registry=r
+        )
 
     def record_generation(self, stats: GenerationStats) -> None:
         """One finished (or cancelled) generation's statistics."""

@@ -24,8 +24,12 @@ def served(request: Request) -> Completions:
 async def health(request: Request) -> JSONResponse:
     s = served(request)
     alive = s.worker.alive
-    body = {"status": "ok" if alive else "worker stopped", "queue_depth": s.worker.queue_depth,
-            "model": s.config.model_name, "drafter": s.engine.drafter.name}  # fmt: skip
+    body = {
+        "status": "ok" if alive else "worker stopped",
+        "queue_depth": s.worker.queue_depth,
+        "model": s.config.model_name,
+        "drafter": s.engine.drafter.name,
+    }
     return JSONResponse(body, status_code=200 if alive else 503)
 
 
@@ -91,7 +95,11 @@ def install_error_handlers(app: FastAPI, s: Completions, api_key: str | None) ->
             if request.url.path.startswith("/v1/"):
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):  # constant time: the key leaks no prefix
-                    e = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                 type_="authentication_error", code="invalid_api_key")  # fmt: skip
+                    e = APIError(
+                        401,
+                        "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                        type_="authentication_error",
+                        code="invalid_api_key",
+                    )
                     return s.error(e, request.url.path, {"WWW-Authenticate": "Bearer"})
             return await call_next(request)

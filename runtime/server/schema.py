@@ -38,8 +38,14 @@ def check_unicode(text: str, param: str) -> str:
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -72,12 +78,28 @@ class StreamOptions(BaseModel):
 # OpenAI parameters that exist but that this server does not implement: accepted only at the values that
 # leave them off (what a client sends when it leaves them alone); null is always such a value.
 UNSUPPORTED = {
-    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
-    "store": (False,), "service_tier": ("auto", "default"), "reasoning_effort": (),
-}  # fmt: skip
+    "n": (1,),
+    "best_of": (1,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "reasoning_effort": (),
+}
 
 
 class _Request(BaseModel):
@@ -165,12 +187,21 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def choice(chat: bool, text: str | None, finish: str | None, first: bool = False, stream: bool = False,
-           token_ids: list[int] | None = None) -> dict:  # fmt: skip
+def choice(
+    chat: bool,
+    text: str | None,
+    finish: str | None,
+    first: bool = False,
+    stream: bool = False,
+    token_ids: list[int] | None = None,
+) -> dict:
     """One entry of `choices`: a message (chat), a delta (chat stream) or a text (completions); with `token_ids`
     (asked for by `return_token_ids`) the generated ids too."""
     out: dict = {"index": 0}

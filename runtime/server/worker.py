@@ -143,8 +143,16 @@ class Worker:
         """Run the decode loop for `job`, sending text deltas; returns the finish reason."""
         deadline = time.perf_counter() + self.time_limit_s
         finish = "length"
-        for chunk in self.engine.stream(job.prompt_ids, job.sampling, job.max_tokens, job.seed, job.stop,
-                                        stats=job.stats, drafter=self.drafter, deadline=deadline):  # fmt: skip
+        for chunk in self.engine.stream(
+            job.prompt_ids,
+            job.sampling,
+            job.max_tokens,
+            job.seed,
+            job.stop,
+            stats=job.stats,
+            drafter=self.drafter,
+            deadline=deadline,
+        ):
             if job.first_token_s is None and chunk.tokens:
                 job.first_token_s = time.perf_counter() - job.arrived
                 self.metrics.ttft.observe(job.first_token_s)

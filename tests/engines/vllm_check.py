@@ -84,14 +84,36 @@ def headstart_side(heads: Path, prompts: list[str], max_tokens: int) -> dict:
         tokens, passes = tokens + result.stats.new_tokens, passes + result.stats.target_passes
         for d, n in enumerate(result.stats.accepted_per_depth):
             per_depth[d] += n
-    return {"prompt_ids": ids, "token_ids": answers, "acceptance_length": tokens / passes, "rounds": passes,
-            "accepted_per_depth": per_depth}  # fmt: skip
+    return {
+        "prompt_ids": ids,
+        "token_ids": answers,
+        "acceptance_length": tokens / passes,
+        "rounds": passes,
+        "accepted_per_depth": per_depth,
+    }
 
 
-def vllm_side(python: str, model: str, prompt_file: Path, out: Path, max_tokens: int, draft: Path | None = None,
-              one_at_a_time: bool = False) -> dict:  # fmt: skip
-    cmd = [python, str(ROOT / "tests/engines/vllm_generate.py"), "--model", model, "--prompts", str(prompt_file),
-           "--out", str(out), "--max-tokens", str(max_tokens)] + ["--one-at-a-time"] * one_at_a_time  # fmt: skip
+def vllm_side(
+    python: str,
+    model: str,
+    prompt_file: Path,
+    out: Path,
+    max_tokens: int,
+    draft: Path | None = None,
+    one_at_a_time: bool = False,
+) -> dict:
+    cmd = [
+        python,
+        str(ROOT / "tests/engines/vllm_generate.py"),
+        "--model",
+        model,
+        "--prompts",
+        str(prompt_file),
+        "--out",
+        str(out),
+        "--max-tokens",
+        str(max_tokens),
+    ] + ["--one-at-a-time"] * one_at_a_time
     if draft is not None:
         cmd += ["--draft", str(draft), "--steps", str(STEPS)]
     t0 = time.perf_counter()
@@ -140,7 +162,7 @@ def rewrite_as(heads: Path, variant: str, out: Path) -> Path:
     """`heads` (EAGLE-3, for the embedded model) rewritten as `variant` (VARIANTS) into `out`."""
     import torch
 
-    from headstart.heads.checkpoint import HeadsConfig, build_heads, save_heads
+    from headstart.heads.checkpoint import CheckpointConfig, build_heads, save_heads
     from headstart.heads.load import load_heads
     from headstart.runtime.models import load_model
     from headstart.runtime.tokens import prompt_ids
@@ -177,7 +199,7 @@ def rewrite_as(heads: Path, variant: str, out: Path) -> Path:
     for layer in rewritten.extra_layers:
         layer.self_attn.o_proj.weight.data.zero_()
         layer.mlp.down_proj.weight.data.zero_()
-    extra = {k: v for k, v in config.to_json().items() if k not in HeadsConfig.FIELDS[:3]}
+    extra = {k: v for k, v in config.to_json().items() if k not in CheckpointConfig.FIELDS[:3]}
     return save_heads(out, rewritten, "eagle3", options, config.target, {**extra, "dtype": "float32"})
 
 
@@ -227,14 +249,21 @@ def main() -> int:
     same_as_ours = ties.count(ours["token_ids"], spec["token_ids"])
     gap = abs(vllm_tau - ours["acceptance_length"]) / ours["acceptance_length"]
     report = {
-        "prompts": len(prompts), "max_tokens": args.max_tokens, "num_speculative_tokens": STEPS,
-        "vllm_identical_with_and_without_head": same, "vllm_identical_to_headstart": same_as_ours,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "num_speculative_tokens": STEPS,
+        "vllm_identical_with_and_without_head": same,
+        "vllm_identical_to_headstart": same_as_ours,
         "vllm_acceptance_length": round(vllm_tau, 3),
         "headstart_acceptance_length": round(ours["acceptance_length"], 3),
-        "relative_gap": round(gap, 3), "vllm_drafts": drafts, "vllm_accepted_per_position": per_pos,
-        "answers_parting_at_a_shown_tie": ties.shown, "answers_parting_without_a_tie": ties.not_ties,
-        "headstart_rounds": ours["rounds"], "headstart_accepted_per_depth": ours["accepted_per_depth"],
-    }  # fmt: skip
+        "relative_gap": round(gap, 3),
+        "vllm_drafts": drafts,
+        "vllm_accepted_per_position": per_pos,
+        "answers_parting_at_a_shown_tie": ties.shown,
+        "answers_parting_without_a_tie": ties.not_ties,
+        "headstart_rounds": ours["rounds"],
+        "headstart_accepted_per_depth": ours["accepted_per_depth"],
+    }
     (out / "vllm-check.json").write_text(json.dumps(report, indent=2))
     without = "not rerun" if plain is None else f"{same}/{len(prompts)}"
     print(
@@ -245,8 +274,9 @@ def main() -> int:
         f"acceptance length: vLLM {vllm_tau:.3f} ({drafts} drafts), headstart {ours['acceptance_length']:.3f} "
         f"({ours['rounds']} rounds); gap {100 * gap:.1f} %"
     )
-    print(f"accepted per position: vLLM {per_pos} of {drafts}; headstart {ours['accepted_per_depth']} "
-          f"of {ours['rounds']}")  # fmt: skip
+    print(
+        f"accepted per position: vLLM {per_pos} of {drafts}; headstart {ours['accepted_per_depth']} of {ours['rounds']}"
+    )
     if ties.shown or ties.not_ties:
         print(f"answers parting at a shown tie: {ties.shown}; without one: {ties.not_ties}")
     # the same head in both: accepted tokens per position agree, within 10 % (or 3): vLLM does not count rounds where it

@@ -31,8 +31,15 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.steps} if args.draft else None
-    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, enforce_eager=True, disable_log_stats=False,
-              speculative_config=spec, seed=0)  # fmt: skip
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        disable_log_stats=False,
+        speculative_config=spec,
+        seed=0,
+    )
     with open(args.prompts) as f:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.load(f)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -49,8 +56,12 @@ def main() -> None:
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):
             counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
-    result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-              "text": [o.outputs[0].text for o in outputs], "spec_decode": counters, "seconds": seconds}  # fmt: skip
+    result = {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "text": [o.outputs[0].text for o in outputs],
+        "spec_decode": counters,
+        "seconds": seconds,
+    }
     with open(args.out, "w") as f:
         json.dump(result, f)
 

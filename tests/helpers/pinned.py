@@ -50,8 +50,17 @@ def fixed_batch_losses(kind: str) -> list[float]:
     losses = []
     for _ in range(5):
         if head_kind == "medusa2":
-            loss = medusa2_loss(joint, heads, model.lm_head, model.lm_head.weight, ids, torch.ones_like(ids), mask,
-                                heads.num_heads, lora.kl_weight)  # fmt: skip
+            loss = medusa2_loss(
+                joint,
+                heads,
+                model.lm_head,
+                model.lm_head.weight,
+                ids,
+                torch.ones_like(ids),
+                mask,
+                heads.num_heads,
+                lora.kl_weight,
+            )
         elif head_kind == "medusa":
             loss = medusa_loss(heads, hidden, model.lm_head, ids, mask, heads.num_heads)
         elif head_kind == "eagle3":  # the fused layers and the final feature; p over the full vocabulary

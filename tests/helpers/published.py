@@ -17,12 +17,21 @@ LAYOUTS = ("medusa", "eagle", "eagle3-authors", "eagle3-specforge", "eagle3-spec
 def _llama(model, **extra) -> dict:
     c = model.config
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_parameters["rope_theta"], "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size, "num_hidden_layers": 1, "torch_dtype": "float16", **extra,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_parameters["rope_theta"],
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "num_hidden_layers": 1,
+        "torch_dtype": "float16",
+        **extra,
+    }
 
 
 def _eagle3_name(name: str, first: str) -> str:
@@ -67,8 +76,11 @@ def write_published(
                 tensors[f"{h}.{b}.linear.bias"] = res.linear.bias.detach().clone()
             own = heads.lm_heads[h].weight if heads.lm_heads is not None else lm_head
             tensors[f"{h}.{len(blocks)}.weight"] = own.detach().clone()
-        config = {"medusa_num_heads": 2, "medusa_num_layers": len(blocks),  # the authors' wrong head count
-                  "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}  # fmt: skip
+        config = {
+            "medusa_num_heads": 2,
+            "medusa_num_layers": len(blocks),  # the authors' wrong head count
+            "base_model_name_or_path": "lmsys/vicuna-7b-v1.3",
+        }
         name = "medusa_lm_head.pt" if pickle else "medusa_lm_head.safetensors"
     elif layout == "eagle":
         state.pop("draft_vocab", None)  # EAGLE-1/2 heads read out through the target's whole lm_head
@@ -107,13 +119,16 @@ def write_published(
                 config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in aux_ids]}
         else:
             config = {
-                "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                "architectures": ["Eagle3Speculator"],
+                "speculators_model_type": "eagle3",
                 "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny-llama"}},
-                "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
+                "transformer_layer_config": layer,
+                "draft_vocab_size": layer["draft_vocab_size"],
                 "target_hidden_size": model.config.hidden_size,
                 "norm_before_residual": heads.midlayer.norm_before_residual,
-                "eagle_aux_hidden_state_layer_ids": aux_ids, **flags,
-            }  # fmt: skip
+                "eagle_aux_hidden_state_layer_ids": aux_ids,
+                **flags,
+            }
         name = "pytorch_model.bin" if pickle else "model.safetensors"
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     if pickle:

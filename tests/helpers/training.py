@@ -46,8 +46,18 @@ def make_cfg(tmp_path, model_dir, kind="medusa", **extra):
     if not data.exists():
         write_shards(data)
     overrides = [
-        f"target.model={model_dir}", f"heads.kind={kind}", f"data.path={data}", "data.eval_rows=8",
-        "data.batch_tokens=128", "optim.max_steps=6", "optim.warmup_steps=2", "optim.lr=0.01",
-        "log_every=1", "eval_every=3", "save_every=3", f"output_dir={tmp_path / 'out'}", "heads.num_heads=3",
-    ]  # fmt: skip
+        f"target.model={model_dir}",
+        f"heads.kind={kind}",
+        f"data.path={data}",
+        "data.eval_rows=8",
+        "data.batch_tokens=128",
+        "optim.max_steps=6",
+        "optim.warmup_steps=2",
+        "optim.lr=0.01",
+        "log_every=1",
+        "eval_every=3",
+        "save_every=3",
+        f"output_dir={tmp_path / 'out'}",
+        "heads.num_heads=3",
+    ]
     return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])

@@ -100,8 +100,9 @@ def check_served_model(engine: EngineClient, model, tokenizer, eos_ids) -> None:
     ids = prompt_ids(tokenizer, PROBE)
     inputs = torch.tensor([ids], device=model.device)
     with torch.inference_mode():  # an explicit mask: a prompt token equal to the pad id is still attended to
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                             max_new_tokens=PROBE_TOKENS)  # fmt: skip
+        out = model.generate(
+            inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=PROBE_TOKENS
+        )
     ours = cut_at_eos(out[0, len(ids) :].tolist(), eos_ids)
     theirs = response_ids(engine.complete(ids, PROBE_TOKENS, 0.0, None), tokenizer, eos_ids)
     if theirs != ours:
@@ -135,8 +136,12 @@ def distill_on_engine(
         ids = prompt_ids(tokenizer, prompt.text)
         seed_of_row = None if temperature == 0 else row_seed(seed, prompt.id)  # the same seed whenever it runs
         choice = engine.complete(ids, max_new_tokens, temperature, seed_of_row)
-        row = {"id": prompt.id, "category": prompt.category, "prompt_ids": ids,
-               "response_ids": response_ids(choice, tokenizer, eos_ids)}  # fmt: skip
+        row = {
+            "id": prompt.id,
+            "category": prompt.category,
+            "prompt_ids": ids,
+            "response_ids": response_ids(choice, tokenizer, eos_ids),
+        }
         with lock:
             shards.append([row])
             new_tokens += len(row["response_ids"])
@@ -151,18 +156,34 @@ def distill_on_engine(
             for f in futures:
                 f.cancel()
             bar.close()
-            raise EngineError(f"{failed.exception()}; {len(shards.done)} rows are in {out}: run the same command "
-                              "again to resume")  # fmt: skip
+            raise EngineError(
+                f"{failed.exception()}; {len(shards.done)} rows are in {out}: run the same command again to resume"
+            )
     bar.close()
     seconds = time.perf_counter() - t0
-    return {"rows": len(shards.done), "new_rows": len(todo), "new_tokens": new_tokens, "seconds": seconds,
-            "tokens_per_s": new_tokens / seconds if seconds else 0.0}  # fmt: skip
+    return {
+        "rows": len(shards.done),
+        "new_rows": len(todo),
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+    }
 
 
 def distill_with_engine(
-    url: str, model, tokenizer, prompts: list[Prompt], out: str, max_new_tokens: int = 256, temperature: float = 0.0,
-    concurrency: int = 16, seed: int = 0, retries: int = 5, check_model: bool = True, api_key: str | None = None,
-) -> dict:  # fmt: skip
+    url: str,
+    model,
+    tokenizer,
+    prompts: list[Prompt],
+    out: str,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    concurrency: int = 16,
+    seed: int = 0,
+    retries: int = 5,
+    check_model: bool = True,
+    api_key: str | None = None,
+) -> dict:
     """Connect to the server at `url`, check it serves `model` (the target, loaded here), distill `prompts`."""
     from headstart.train.sources import made_by, open_manifest, record_run
 

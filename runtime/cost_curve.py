@@ -132,8 +132,11 @@ def _time_fp32_kernels(target: Target) -> dict[str, float]:
         target.use_kernels(kind)
         costs[kind] = sum(measure_cost_curve(target, reps=3, rows_timed=TREE_ROWS).values())
     said = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in costs.items())
-    print(f"headstart: {len(TREE_ROWS)} forwards of 1-16 rows: {said} -> {min(costs, key=costs.get)} "
-          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)  # fmt: skip
+    print(
+        f"headstart: {len(TREE_ROWS)} forwards of 1-16 rows: {said} -> {min(costs, key=costs.get)} "
+        f"({time.perf_counter() - t0:.1f} s)",
+        file=sys.stderr,
+    )
     return costs
 
 
@@ -247,7 +250,7 @@ class LiveSizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m headstart.runtime.calibrate [--model M] [--dtype D]`: the target's cost curve measured now (not
+    """`python -m headstart.runtime.cost_curve [--model M] [--dtype D]`: the target's cost curve measured now (not
     read from the cache), printed as ms and as a multiple of one row: what "several positions cost about as much
     as one" means on this machine. Background jobs are paused while it measures."""
     import argparse

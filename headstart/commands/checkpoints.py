@@ -16,9 +16,13 @@ def add_parsers(sub) -> None:
     ex = sub.add_parser("export", help="write trained EAGLE-3 heads in the layout vLLM and SGLang load")
     ex.add_argument("heads", help="trained heads directory (a training run's output_dir/heads)")
     ex.add_argument("out", help="a new (or empty) folder to write")
-    ex.add_argument("--format", default="specforge", choices=("specforge", "speculators"),
-                    help="specforge: the EAGLE-3 layout vLLM and SGLang load (default); speculators: vLLM's "
-                    "self-describing twin (`vllm serve OUT`)")  # fmt: skip
+    ex.add_argument(
+        "--format",
+        default="specforge",
+        choices=("specforge", "speculators"),
+        help="specforge: the EAGLE-3 layout vLLM and SGLang load (default); speculators: vLLM's "
+        "self-describing twin (`vllm serve OUT`)",
+    )
     ex.add_argument(
         "--target",
         default=None,
@@ -30,9 +34,12 @@ def add_parsers(sub) -> None:
     cv = sub.add_parser("convert", help="write published Medusa / EAGLE / EAGLE-3 heads as headstart heads")
     cv.add_argument("src", help="the published heads' folder (Medusa authors', EAGLE authors', SpecForge, speculators)")
     cv.add_argument("out", help="a new (or empty) folder to write")
-    cv.add_argument("--model", default=DEFAULT_MODEL,
-                    help="the target the heads draft for (embedded name, HF model directory or .gguf file): its "
-                    "fingerprint is written with them")  # fmt: skip
+    cv.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="the target the heads draft for (embedded name, HF model directory or .gguf file): its "
+        "fingerprint is written with them",
+    )
     cv.set_defaults(run=cmd_convert)
 
     cb = sub.add_parser(
@@ -80,7 +87,7 @@ def cmd_convert(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     from tqdm import tqdm
 
-    from headstart.heads.checkpoint import HeadsConfig, save_config
+    from headstart.heads.checkpoint import CheckpointConfig, save_config
     from headstart.heads.kinds import get_kind
     from headstart.heads.load import load_heads
     from headstart.heads.published import detect_layout
@@ -91,9 +98,10 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.train.evaluate import measure
 
     if detect_layout(args.heads) != "headstart":
-        raise common.UserError(f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then "
-                        "calibrate OUT")  # fmt: skip
-    config = HeadsConfig.read(args.heads)
+        raise common.UserError(
+            f"{args.heads} holds published heads: `headstart convert {args.heads} OUT` first, then calibrate OUT"
+        )
+    config = CheckpointConfig.read(args.heads)
     if not Path(args.prompts).is_file():
         raise common.UserError(f"prompts file not found: {args.prompts}")
     prompts = load_prompts(args.prompts)[: args.limit]
@@ -108,19 +116,27 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         rows.append(Row(ids + answer, len(ids), i, prompt.id))
     depths = heads.num_heads if kind.static_tree else EagleOptions().depth  # Medusa: every head; EAGLE: its drafting
     metrics, accuracy = measure(config.kind, heads.float(), engine.target.model, rows, depths, pad_id(engine.tokenizer))
-    calibrated = {"prompts": str(args.prompts), "answers": len(rows), "max_new_tokens": args.max_new_tokens,
-                  "metrics": metrics}  # fmt: skip
-    save_config(args.heads, dataclasses.replace(config, rank_accuracy=accuracy,
-                                                extra={**config.extra, "calibrated_on": calibrated}))  # fmt: skip
-    print(f"acceptance length {metrics['acceptance_length']:.2f}; top-1 per depth "
-          + ", ".join(f"{a[0]:.3f}" for a in accuracy))  # fmt: skip
+    calibrated = {
+        "prompts": str(args.prompts),
+        "answers": len(rows),
+        "max_new_tokens": args.max_new_tokens,
+        "metrics": metrics,
+    }
+    save_config(
+        args.heads,
+        dataclasses.replace(config, rank_accuracy=accuracy, extra={**config.extra, "calibrated_on": calibrated}),
+    )
+    print(
+        f"acceptance length {metrics['acceptance_length']:.2f}; top-1 per depth "
+        + ", ".join(f"{a[0]:.3f}" for a in accuracy)
+    )
     return 0
 
 
 def cmd_score(args: argparse.Namespace, argv: list[str]) -> int:
     import hashlib
 
-    from headstart.heads.checkpoint import HeadsConfig
+    from headstart.heads.checkpoint import CheckpointConfig
     from headstart.heads.load import load_heads
     from headstart.runtime.models import load_model
     from headstart.runtime.tokens import pad_id
@@ -129,7 +145,7 @@ def cmd_score(args: argparse.Namespace, argv: list[str]) -> int:
 
     if not any(Path(args.rows).glob("shard-*.jsonl")):
         raise common.UserError(f"--rows {args.rows}: no distilled shards (shard-*.jsonl) there")
-    configs = [HeadsConfig.read(h) for h in args.heads]
+    configs = [CheckpointConfig.read(h) for h in args.heads]
     model, tokenizer = load_model(args.model, args.dtype, args.device)
     rows = load_rows(args.rows, args.max_len)
     print("| heads | model.safetensors sha256 | rows | acceptance length | top-1 per depth |")

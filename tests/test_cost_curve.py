@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
-from headstart.runtime import calibrate, kernels
-from headstart.runtime.calibrate import LiveSizer, choose_budget, cost_at, cost_curve, fit_factor, scale_accuracy
+from headstart.runtime import cost_curve as curves
+from headstart.runtime import kernels
+from headstart.runtime.cost_curve import LiveSizer, choose_budget, cost_at, cost_curve, fit_factor, scale_accuracy
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import stream
 from headstart.runtime.target import Target
@@ -46,34 +47,34 @@ def test_cost_between_and_past_the_measured_rows():
 def test_the_curve_is_measured_once_and_cached(tmp_path, monkeypatch):
     target = Target(tiny_llama(vocab_size=64))
     curve = cost_curve(target, tmp_path)
-    assert sorted(curve) == list(calibrate.ROWS) and all(ms > 0 for ms in curve.values())
-    assert all(curve[a] <= curve[b] for a, b in zip(calibrate.ROWS, calibrate.ROWS[1:], strict=False))
+    assert sorted(curve) == list(curves.ROWS) and all(ms > 0 for ms in curve.values())
+    assert all(curve[a] <= curve[b] for a, b in zip(curves.ROWS, curves.ROWS[1:], strict=False))
     assert target.past_len == 0
-    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
+    monkeypatch.setattr(curves, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
     assert cost_curve(target, tmp_path) == curve
     assert len(list(tmp_path.iterdir())) == 1
-    monkeypatch.setattr(calibrate, "cpu_name", lambda: "another CPU avx2")  # the home folder on another machine
-    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: {1: 1.0})
+    monkeypatch.setattr(curves, "cpu_name", lambda: "another CPU avx2")  # the home folder on another machine
+    monkeypatch.setattr(curves, "measure_cost_curve", lambda *a, **k: {1: 1.0})
     assert cost_curve(target, tmp_path) == {1: 1.0} and len(list(tmp_path.iterdir())) == 2
 
 
 def test_the_float32_kernels_are_chosen_by_their_measured_cost_and_the_choice_cached(tmp_path, monkeypatch):
     target = Target(tiny_llama(vocab_size=64))
-    assert calibrate.choose_kernels(target, tmp_path) in calibrate.FP32_KINDS  # timed for real on the tiny target
+    assert curves.choose_kernels(target, tmp_path) in curves.FP32_KINDS  # timed for real on the tiny target
     assert len(list(tmp_path.iterdir())) == 1
 
     def timed(target, reps, rows_timed):  # oneDNN's forward cheaper than MKL's from 2 rows on
-        assert rows_timed == calibrate.TREE_ROWS
+        assert rows_timed == curves.TREE_ROWS
         return {rows: 10.0 + (1 if target.packed.kind == "onednn" else 5) * (rows > 1) for rows in rows_timed}
 
-    monkeypatch.setattr(calibrate, "measure_cost_curve", timed)
-    assert calibrate.choose_kernels(target, None) == "onednn" == target.packed.kind
-    monkeypatch.setattr(calibrate, "cpu_name", lambda: "another CPU avx2")
-    assert calibrate.choose_kernels(target, tmp_path) == "onednn"  # measured there, then read back:
-    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
+    monkeypatch.setattr(curves, "measure_cost_curve", timed)
+    assert curves.choose_kernels(target, None) == "onednn" == target.packed.kind
+    monkeypatch.setattr(curves, "cpu_name", lambda: "another CPU avx2")
+    assert curves.choose_kernels(target, tmp_path) == "onednn"  # measured there, then read back:
+    monkeypatch.setattr(curves, "measure_cost_curve", lambda *a, **k: pytest.fail("measured twice"))
     target.use_kernels("mkl")
-    assert calibrate.choose_kernels(target, tmp_path) == "onednn" == target.packed.kind
-    assert calibrate.choose_kernels(Target(tiny_llama(vocab_size=64), fast=False), tmp_path) == "none"
+    assert curves.choose_kernels(target, tmp_path) == "onednn" == target.packed.kind
+    assert curves.choose_kernels(Target(tiny_llama(vocab_size=64), fast=False), tmp_path) == "none"
 
 
 def test_a_bfloat16_target_keeps_onednn_beside_a_cached_float32_choice(tmp_path, monkeypatch):
@@ -81,10 +82,10 @@ def test_a_bfloat16_target_keeps_onednn_beside_a_cached_float32_choice(tmp_path,
     load after a float32 one once repacked the bf16 weights for MKL, which takes float32 only, and raised. (The
     packing itself is not run: oneDNN's bf16 kernels raise on an AVX2-only CPU; tests/test_fast_path.py packs
     for real where they exist.)"""
-    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a, **k: pytest.fail("a bf16 target timed"))
+    monkeypatch.setattr(curves, "measure_cost_curve", lambda *a, **k: pytest.fail("a bf16 target timed"))
     target = Target(tiny_llama(vocab_size=64).to(torch.bfloat16), fast=False)
     target.packed = kernels.Prepacked(kind="onednn")  # as a bf16 target packed on an AVX-512 BF16 or AMX CPU says
-    assert calibrate.choose_kernels(target, tmp_path) == "onednn" == target.packed.kind
+    assert curves.choose_kernels(target, tmp_path) == "onednn" == target.packed.kind
     assert not list(tmp_path.iterdir())
     assert kernels._chosen("onednn", "mkl", torch.bfloat16) == "onednn"
     assert kernels._chosen("onednn", "mkl", torch.float32) == "mkl"
