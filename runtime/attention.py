@@ -39,8 +39,10 @@ class MaskBuffer:
         q = block.shape[0]
         rows, cols = q, past + q
         if self.buf is None or rows > self.buf.shape[0] or cols > self.buf.shape[1]:
-            shape = (max(rows, 2 * (self.buf.shape[0] if self.buf is not None else 32)),
-                     max(cols, 2 * (self.buf.shape[1] if self.buf is not None else 512)))  # fmt: skip
+            shape = (
+                max(rows, 2 * (self.buf.shape[0] if self.buf is not None else 32)),
+                max(cols, 2 * (self.buf.shape[1] if self.buf is not None else 512)),
+            )
             self.buf, self.dirty = torch.zeros(shape, dtype=self.dtype, device=self.device), None
         if self.dirty is not None:
             r, c0, c1 = self.dirty
@@ -71,14 +73,34 @@ class AttentionLayout:
         windowed = additive_mask(allowed & (k_pos[None, :] > q_pos[:, None] - self.window), dtype, device)
         return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed
 
+    def batch_masks(
+        self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype, device
+    ) -> MaskArg:
+        """`masks` for r sequences at once: `allowed` (r, q, k) over each sequence's cache rows, `q_pos` (r, q)
+        the new rows' positions, `k_pos` (r, k) the position each cache row holds. Float (r, 1, q, k)."""
+        full = additive_mask(allowed, dtype, device)
+        if self.window is None:
+            return full
+        inside = k_pos[:, None, :] > q_pos[:, :, None] - self.window  # (r, q, k)
+        windowed = additive_mask(allowed & inside, dtype, device)
+        return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed
+
 
 # --- grouped-query attention over a tree without copying the cache (the fast path) ----------------------------
 GROUPED_SDPA = "headstart_grouped_sdpa"  # the attention implementation name the fast path gives the target
 
 
-def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+def grouped_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, except under grouped-query attention for several queries under a mask shared
     by every head (a verified tree) or for one query (a plain step): there stock SDPA repeats the cache's keys and
     values for every query head (a copy of the whole cache in every layer, every round; on CPU, masked SDPA takes
@@ -94,10 +116,16 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     # a plain step (one query, no mask) or one mask shared by every head (a tree); a causal prefill stays stock
     shared = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
     groupable = shared or (q == 1 and attention_mask is None)
-    if (G == H or not groupable or dropout or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None):  # fmt: skip
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    if (
+        G == H
+        or not groupable
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     r = H // G  # query heads per key/value head: head g * r + j reads key/value head g
     grouped = query.reshape(B, G, r * q, D)  # row j * q + i: query i of head g * r + j
     mask = None  # one query, no mask: it attends to the whole cache

@@ -1,7 +1,13 @@
-"""The one decode loop: draft a tree, verify it in one target forward, accept a path, commit, stream.
+"""The one decode loop, for B sequences: draft a tree per sequence, verify them in one target forward, accept a
+path per sequence, commit, stream.
 
-Plain decoding is this loop with the base `Drafter` (empty trees): one forward per token. Every
-speedup headstart reports is measured against it; batch, CLI, server and benchmark code consume it.
+`Batch.round` is a round; batch 1 is a batch of one (`stream`). Sequences join and leave between rounds
+(continuous batching): a joiner's prompt is prefilled whole while nothing decodes, else in chunks of at most
+`prefill_chunk` tokens a round, so the running streams keep their pace. Each sequence has its own sampling
+parameters, random stream, drafter, limits and statistics; its tokens depend on its own draws only (at T = 0 its
+greedy tokens, at T > 0 the target's distribution: `runtime/accept.py`). Plain decoding is this loop with the
+base `Drafter` (empty trees): one forward per token. Every speedup headstart reports is measured against it;
+the engine, the server, the bench and distillation consume it.
 """
 
 from __future__ import annotations
@@ -10,10 +16,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from headstart.runtime.accept import accept_path
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.sampling import Rng, SamplingParams
-from headstart.runtime.target import Target
+from headstart.runtime.target import Target, features
 from headstart.runtime.tree import DraftTree
 
 # a round, in order (`stream`); layers + lm_head = the target forward (lm_head measured under `Target.timing_lm_head`)
@@ -60,6 +68,259 @@ class Chunk:
     drafted: int  # how many of them (the first ones) were draft tokens the target accepted
 
 
+@dataclass(eq=False)
+class Request:
+    """One sequence of a batch: what it asks for, and where the loop stands with it."""
+
+    prompt_ids: list[int]
+    drafter: Drafter = field(default_factory=Drafter)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    eos_ids: frozenset[int] | set[int] = frozenset()
+    seed: int | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    context: list[int] = field(default_factory=list)  # prompt + new tokens; the last is the root
+    done: bool = False
+    slot: int = -1  # its row of the target's cache while it is in the batch
+    cached: int = 0  # prompt tokens prefilled so far (all but the last: ready)
+    features: list[torch.Tensor] = field(default_factory=list)  # the prompt's, chunk by chunk, for `drafter.start`
+    rng: Rng | None = None
+    t_start: float = 0.0
+
+
+@dataclass
+class SharedPrefix:
+    """Tokens most prompts start with (a chat template's system turn), cached once: keys, values and hidden
+    states, copied into each sequence that starts with them instead of computed again."""
+
+    ids: list[int]
+    kv: list | None = None
+    hidden: torch.Tensor | None = None  # (layers + 1, P, H): every hidden state
+
+
+class Phases:
+    """Seconds of a round's phases: `lap(name)` closes the phase that ran since the last lap."""
+
+    def __init__(self) -> None:
+        self.t, self.s = time.perf_counter(), {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.s[name], self.t = now - self.t, now
+
+
+class Batch:
+    """The decode loop over the sequences in `target`'s slots (at most `target.slots` at once).
+
+    `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
+    bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix."""
+
+    def __init__(
+        self,
+        target: Target,
+        prefill_chunk: int | None = None,
+        kv_budget: int | None = None,
+        prefix: SharedPrefix | None = None,
+    ) -> None:
+        self.target, self.kv_budget, self.prefix = target, kv_budget, prefix
+        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
+        self.decoding: list[Request] = []  # in slots 0, 1, ...
+        self.joining: list[Request] = []  # waiting, the first one prefilling in the slot after the decoding ones
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.joining)
+
+    def add(self, request: Request) -> Request:
+        """`request` joins at the next round (its prompt checked now: ValueError)."""
+        check_request(self.target, request.prompt_ids, request.max_new_tokens)
+        request.context, request.rng = list(request.prompt_ids), Rng(request.seed, device=self.target.device)
+        self.joining.append(request)
+        return request
+
+    @torch.inference_mode()
+    def remove(self, request: Request) -> None:
+        """`request` leaves now (its client went away, its time ran out): its slot is free for the next round."""
+        request.done = True
+        if request in self.joining:
+            self.joining.remove(request)
+        elif request in self.decoding:  # the last decoding sequence takes its slot: one cache moves
+            i = self.decoding.index(request)
+            self.decoding[i] = self.decoding[-1]
+            self.decoding.pop()
+        self._compact()
+
+    @torch.inference_mode()
+    def round(self) -> list[tuple[Request, Chunk]]:
+        """Admit and prefill joiners, then one round for every decoding sequence: its new tokens."""
+        self._prefill()
+        live = list(self.decoding)
+        if not live:
+            return []
+        target, phases = self.target, Phases()
+        trees = [r.drafter.propose(r.context) for r in live]
+        trees = [
+            t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()
+            for r, t in zip(live, trees, strict=True)
+        ]
+        phases.lap("propose")
+        layers = _feature_layers(live)
+        verified = target.verify_batch([r.context[-1] for r in live], trees, layers)
+        phases.lap("verify")
+        accepted = [accept_path(t, v.logits, r.sampling, r.rng) for r, t, v in zip(live, trees, verified, strict=True)]
+        phases.lap("accept")
+        for r, a in zip(live, accepted, strict=True):
+            target.commit(a.path, r.slot)
+        phases.lap("commit")
+        for r, t, v, a in zip(live, trees, verified, accepted, strict=True):
+            r.drafter.observe(t, a.path, _own(v.hidden, r.drafter, layers), a.next_token)
+        phases.lap("observe")
+        out = [(r, _emit(r, t, a, v, phases.s)) for r, t, v, a in zip(live, trees, verified, accepted, strict=True)]
+        for r, _ in out:
+            if r.done:
+                self.remove(r)
+        return out
+
+    def _prefill(self) -> None:
+        """Admit joiners in order while a slot is free and the cache fits them; prefill the first (whole when
+        nothing decodes, else `prefill_chunk` tokens this round). A joiner whose prompt is cached decodes."""
+        budget = self.prefill_chunk if self.decoding else None
+        while self.joining and len(self.decoding) < self.target.slots and self._fits(self.joining[0]):
+            r = self.joining[0]
+            if r.slot < 0:
+                r.slot, r.t_start = len(self.decoding), time.perf_counter()
+                self._start_prefix(r)
+            todo = len(r.prompt_ids) - 1 - r.cached
+            take = todo if budget is None else min(todo, budget)
+            if take:
+                hidden = self.target.extend(r.prompt_ids[r.cached : r.cached + take], _layers(r.drafter), r.slot)
+                r.features += [] if hidden is None else [hidden]
+                r.cached += take
+            if r.cached < len(r.prompt_ids) - 1:
+                return  # the chunk budget is spent
+            self.joining.pop(0)
+            features = torch.cat(r.features) if r.features else None
+            r.features = []
+            r.drafter.start(r.prompt_ids, features, r.sampling, r.seed)
+            r.stats.prefill_s = time.perf_counter() - r.t_start
+            for name in PHASES:
+                r.stats.phase_s.setdefault(name, 0.0)
+            self.decoding.append(r)
+            if r.max_new_tokens == 0:
+                self.remove(r)
+            if budget is not None:
+                budget -= take
+                if budget <= 0:
+                    return
+
+    def _start_prefix(self, r: Request) -> None:
+        """Copy the shared prefix into `r`'s slot when its prompt starts with it (computed on first use)."""
+        self.target.lengths[r.slot] = 0
+        p = self.prefix
+        if p is None or len(p.ids) >= len(r.prompt_ids) or r.prompt_ids[: len(p.ids)] != p.ids:
+            return
+        if p.kv is None:
+            p.hidden = self.target.extend(p.ids, None, r.slot)  # (layers + 1, P, H)
+            p.kv = self.target.cache.snapshot(r.slot, len(p.ids))
+        else:
+            self.target.cache.restore(r.slot, p.kv)
+            self.target.lengths[r.slot] = len(p.ids)
+        r.cached = len(p.ids)
+        layers = _layers(r.drafter)
+        if layers:
+            r.features.append(features(tuple(p.hidden[:, None]), layers)[0])
+
+    def _fits(self, r: Request) -> bool:
+        """The cache, grown for one more sequence of `r`'s length, stays within `kv_budget`."""
+        if self.kv_budget is None or r.slot >= 0:
+            return True
+        need = max(
+            [len(x.prompt_ids) + x.max_new_tokens for x in self.decoding] + [len(r.prompt_ids) + r.max_new_tokens]
+        )
+        return (len(self.decoding) + 1) * 2 * need * self.target.kv_bytes_per_token() <= self.kv_budget
+
+    def _compact(self) -> None:
+        """Keep the decoding sequences in slots 0, 1, ... and a prefilling joiner right after them."""
+        prefilling = [r for r in self.joining[:1] if r.slot >= 0]
+        for i, r in enumerate(self.decoding + prefilling):
+            if r.slot != i:
+                self.target.move(r.slot, i)
+                r.slot = i
+        if not len(self):
+            self.target.cache.release()
+
+
+PREFILL_CHUNK = 64  # prompt tokens prefilled per round while others decode
+
+
+def check_request(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if len(prompt_ids) + max_new_tokens > target.max_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {target.max_len} tokens"
+        )
+
+
+def _layers(drafter: Drafter) -> tuple[int, ...]:
+    return drafter.feature_layers
+
+
+def _feature_layers(live: list[Request]) -> tuple[int, ...]:
+    """The hidden states the round's forward returns: every drafter's, in one order (most ask for one set)."""
+    wanted: list[int] = []
+    for r in live:
+        wanted += [k for k in r.drafter.feature_layers if k not in wanted]
+    return tuple(wanted)
+
+
+def _own(hidden: torch.Tensor | None, drafter: Drafter, layers: tuple[int, ...]) -> torch.Tensor | None:
+    """The features `drafter` asked for out of the round's `layers` (concatenated in that order)."""
+    if hidden is None or not drafter.feature_layers:
+        return None
+    if drafter.feature_layers == layers:
+        return hidden
+    width = hidden.shape[-1] // len(layers)
+    return torch.cat(
+        [hidden[..., layers.index(k) * width : (layers.index(k) + 1) * width] for k in drafter.feature_layers], -1
+    )
+
+
+def _emit(r: Request, tree: DraftTree, accepted, verified, phase: dict[str, float]) -> Chunk:
+    """The round's new tokens of `r` (cut at EOS and the limit), its statistics updated."""
+    new = [tree.tokens[i] for i in accepted.path] + [accepted.next_token]
+    new = new[: r.max_new_tokens - r.stats.new_tokens]
+    stop = next((i for i, tok in enumerate(new) if tok in r.eos_ids), None)
+    if stop is not None:
+        new = new[: stop + 1]
+    drafted = min(len(accepted.path), len(new))
+    stats = r.stats
+    stats.target_passes += 1
+    stats.plain_passes += not tree
+    stats.new_tokens += len(new)
+    for name, seconds in _split_verify(phase, verified).items():
+        stats.phase_s[name] += seconds
+    stats.draft_s += phase["propose"] + phase["observe"]  # proposing, and updating the drafter's state
+    stats.verify_s += phase["verify"] + phase["accept"] + phase["commit"]
+    if len(stats.accepted_per_depth) < drafted:
+        stats.accepted_per_depth.extend([0] * (drafted - len(stats.accepted_per_depth)))
+    for depth in range(drafted):
+        stats.accepted_per_depth[depth] += 1
+    stats.elapsed_s = time.perf_counter() - r.t_start
+    r.context.extend(new)
+    r.done = stop is not None or stats.new_tokens >= r.max_new_tokens
+    return Chunk(new, drafted)
+
+
+def _split_verify(phase: dict[str, float], verified) -> dict[str, float]:
+    """The round's phases as `PHASES` names them: the verify forward split into mask, layers and lm_head."""
+    layers = phase["verify"] - verified.mask_s - verified.lm_head_s
+    split = {**phase, "mask": verified.mask_s, "layers": layers, "lm_head": verified.lm_head_s}
+    return {name: split[name] for name in PHASES}
+
+
 def stream(
     target: Target,
     prompt_ids: list[int],
@@ -70,72 +331,20 @@ def stream(
     seed: int | None = None,
     stats: GenerationStats | None = None,
 ) -> Iterator[Chunk]:
-    """Yield the tokens generated after `prompt_ids`, a round at a time, stopping at EOS (yielded) or the limit.
-
-    Pass a `GenerationStats` to read the per-request statistics as the stream goes on.
-    """
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if len(prompt_ids) + max_new_tokens > target.max_len:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"context of {target.max_len} tokens"
+    """Yield the tokens generated after `prompt_ids`, a round at a time, stopping at EOS (yielded) or the limit:
+    a batch of one. Pass a `GenerationStats` to read the per-request statistics as the stream goes on."""
+    batch = Batch(target)
+    request = batch.add(
+        Request(
+            prompt_ids,
+            drafter or Drafter(),
+            sampling or SamplingParams(),
+            max_new_tokens,
+            eos_ids,
+            seed,
+            stats if stats is not None else GenerationStats(),
         )
-    drafter = drafter or Drafter()
-    sampling = sampling or SamplingParams()
-    stats = stats if stats is not None else GenerationStats()
-    rng = Rng(seed, device=target.device)
-    t_start = time.perf_counter()
-
-    prompt_hidden = target.prefill(prompt_ids[:-1], drafter.feature_layers)
-    drafter.start(prompt_ids, prompt_hidden, sampling, seed)
-    stats.prefill_s = time.perf_counter() - t_start
-    phase = stats.phase_s
-    for name in PHASES:
-        phase.setdefault(name, 0.0)
-    context = list(prompt_ids)  # the last token is the root: not yet in the KV cache
-    while stats.new_tokens < max_new_tokens:
-        t0 = time.perf_counter()
-        tree = drafter.propose(context)
-        if target.past_len + len(tree) + 1 > target.max_len:
-            tree = DraftTree()  # no room left for a tree at the end of the context
-        t1 = time.perf_counter()
-        verified = target.verify(context[-1], tree, drafter.feature_layers)
-        t_verified = time.perf_counter()
-        accepted = accept_path(tree, verified.logits, sampling, rng)
-        t_accepted = time.perf_counter()
-        target.commit(accepted.path)
-        t2 = time.perf_counter()
-        drafter.observe(tree, accepted.path, verified.hidden, accepted.next_token)
-        t3 = time.perf_counter()
-        phase["propose"] += t1 - t0
-        phase["mask"] += verified.mask_s
-        phase["layers"] += t_verified - t1 - verified.mask_s - verified.lm_head_s
-        phase["lm_head"] += verified.lm_head_s
-        phase["accept"] += t_accepted - t_verified
-        phase["commit"] += t2 - t_accepted
-        phase["observe"] += t3 - t2
-
-        new = [tree.tokens[i] for i in accepted.path] + [accepted.next_token]
-        new = new[: max_new_tokens - stats.new_tokens]
-        stop = next((i for i, tok in enumerate(new) if tok in eos_ids), None)
-        if stop is not None:
-            new = new[: stop + 1]
-        drafted = min(len(accepted.path), len(new))
-
-        stats.target_passes += 1
-        stats.plain_passes += not tree
-        stats.new_tokens += len(new)
-        stats.draft_s += (t1 - t0) + (t3 - t2)  # proposing, and updating the drafter's state
-        stats.verify_s += t2 - t1
-        if len(stats.accepted_per_depth) < drafted:
-            stats.accepted_per_depth.extend([0] * (drafted - len(stats.accepted_per_depth)))
-        for depth in range(drafted):
-            stats.accepted_per_depth[depth] += 1
-        stats.elapsed_s = time.perf_counter() - t_start
-        context.extend(new)
-        yield Chunk(new, drafted)
-        if stop is not None:
-            return
+    )
+    while not request.done:
+        for _, chunk in batch.round():
+            yield chunk

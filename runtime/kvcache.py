@@ -1,12 +1,20 @@
-"""The target's KV cache: preallocated buffers that grow by doubling, cropped and re-indexed in place.
+"""The target's KV cache: one row of preallocated buffers per sequence (a slot), grown by doubling, cropped and
+re-indexed in place.
 
-transformers' `DynamicCache` concatenates every new key onto the old ones, copying the whole cache of every
-layer each step (the cost grows with the sequence). Here each layer writes the new rows into a buffer with
-room to spare and hands attention a view of the filled part: a step copies only its own rows. Dropping a
-rejected draft is a change of length; committing an accepted branch that does not lie right after the
-root moves only the accepted rows (`keep_rows`), not the whole cache.
+Each layer holds (slots, kv_heads, capacity, head_dim) keys and values; position j of a slot's sequence is row j
+(a verified tree's nodes take the rows after the root, in node order, until the commit). Before every forward
+`feed` says which slots it feeds (a contiguous run: attention reads views of them, never copies) and from which
+row each slot's new tokens are written; a forward writes only its own rows and attends to the fed slots' first
+`kv_len` rows (a slot's rows past its own length are hidden by the mask the caller gives). transformers'
+`DynamicCache` instead concatenates every new key onto the old ones, copying the whole cache of every layer
+each step. A slot's length is the caller's bookkeeping (`runtime/target.py`): dropping a rejected draft is a
+change of length; committing an accepted branch that does not lie right after the root moves only the accepted
+rows (`keep_rows`).
 
-Layers stay full on every layer, sliding-window ones included (runtime/attention.py says why).
+Slots are padded to the widest slot's capacity (one tensor per layer, not pages): the batch's sequences are the
+first slots, a leaver's slot is refilled by moving the last live slot into it (`copy`), and `release` frees
+everything when the batch empties. Layers stay full on every layer, sliding-window ones included
+(runtime/attention.py says why).
 """
 
 from __future__ import annotations
@@ -15,73 +23,119 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-MIN_CAPACITY = 256  # rows a layer's first buffer holds beyond its first write
+MIN_CAPACITY = 256  # rows a slot holds at first; doubling past it
 
 
-class PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values (1, kv_heads, capacity, head_dim); `keys`/`values` view the filled rows."""
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values for every slot: (slots, kv_heads, capacity, head_dim)."""
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.length = 0
+    def __init__(self, cache: SlotCache) -> None:
+        super().__init__()
+        self.cache = cache
         self._k = self._v = None
 
-    def _reserve(self, rows: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
-        capacity = 0 if self._k is None else self._k.shape[-2]
-        if rows <= capacity:
+    def _reserve(self, like: torch.Tensor, slots: int, capacity: int) -> None:
+        if self._k is not None and slots <= self._k.shape[0] and capacity <= self._k.shape[2]:
             return
-        capacity = max(rows + MIN_CAPACITY, 2 * capacity)  # doubling: each row is copied O(1) times in all
-        k = like_k.new_empty((*like_k.shape[:-2], capacity, like_k.shape[-1]))
-        v = like_v.new_empty((*like_v.shape[:-2], capacity, like_v.shape[-1]))
-        if self.length:
-            k[..., : self.length, :] = self._k[..., : self.length, :]
-            v[..., : self.length, :] = self._v[..., : self.length, :]
+        have_s, have_c = (0, 0) if self._k is None else self._k.shape[0:3:2]
+        slots = max(slots, min(2 * have_s, self.cache.slots)) if have_s else slots
+        capacity = max(capacity + MIN_CAPACITY, 2 * have_c)  # doubling: each row is copied O(1) times in all
+        k = like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
+        v = like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
+        if have_s:
+            k[:have_s, :, :have_c] = self._k
+            v[:have_s, :, :have_c] = self._v
         self._k, self._v = k, v
 
-    def _view(self) -> None:
-        self.keys = self._k[..., : self.length, :]
-        self.values = self._v[..., : self.length, :]
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the fed slots' new keys/values (r, kv_heads, q, head_dim) from their start rows on; return those
+        slots' keys/values over the first `kv_len` rows (a view)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        self._reserve(self.length + n, key_states, value_states)
-        self._k[..., self.length : self.length + n, :] = key_states
-        self._v[..., self.length : self.length + n, :] = value_states
-        self.length += n
-        self._view()
+        c = self.cache
+        self._reserve(key_states, c.slots_used, c.kv_len)
+        r, q = key_states.shape[0], key_states.shape[2]
+        fed = slice(c.first, c.first + r)
+        if r == 1:
+            start = c.starts[0]
+            self._k[c.first, :, start : start + q] = key_states[0]
+            self._v[c.first, :, start : start + q] = value_states[0]
+        else:
+            rows = torch.tensor(c.starts, device=key_states.device)[:, None] + torch.arange(q, device=key_states.device)
+            which = torch.arange(r, device=key_states.device)[:, None]  # (r, 1)
+            self._k[fed][which, :, rows] = key_states.transpose(1, 2)  # indexed as (r, q, kv_heads, head_dim)
+            self._v[fed][which, :, rows] = value_states.transpose(1, 2)
+        self.keys, self.values = self._k[fed, :, : c.kv_len], self._v[fed, :, : c.kv_len]
         return self.keys, self.values
 
+    def keep_rows(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """In `slot`, move `rows` (ascending, all >= start) to start, start + 1, ... (a copy of them first)."""
+        if self._k is not None:
+            end = start + rows.numel()
+            self._k[slot, :, start:end] = self._k[slot].index_select(-2, rows)
+            self._v[slot, :, start:end] = self._v[slot].index_select(-2, rows)
+
+    def copy(self, src: int, dst: slice, length: int) -> None:
+        """Slot `src`'s first `length` rows to the slots `dst`."""
+        if self._k is not None and length:
+            self._k[dst, :, :length] = self._k[src, :, :length]
+            self._v[dst, :, :length] = self._v[src, :, :length]
+
+    def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k[slot, :, :length].clone(), self._v[slot, :, :length].clone()
+
+    def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        k, v = kv  # (kv_heads, length, head_dim)
+        self._reserve(k[None], max(slot + 1, self.cache.slots_used), k.shape[1])
+        self._k[slot, :, : k.shape[1]] = k
+        self._v[slot, :, : k.shape[1]] = v
+
     def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last -tokens_to_remove rows (a negative count, as transformers' own `crop`)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of rows to remove, got {tokens_to_remove}")
-        if self.is_initialized and tokens_to_remove:
-            self.length = max(self.length + tokens_to_remove, 0)
-            self._view()
-
-    def keep_rows(self, start: int, rows: torch.Tensor) -> None:
-        """Keep rows [0, start) and then `rows` (ascending, all >= start), moving only those: length start + len."""
-        if not self.is_initialized:
-            return
-        end = start + rows.numel()
-        self._k[..., start:end, :] = self._k.index_select(-2, rows)  # a copy of the rows first, then the write
-        self._v[..., start:end, :] = self._v.index_select(-2, rows)
-        self.length = end
-        self._view()
+        return self.cache.starts[0] if self.cache.starts else 0
 
 
-class TargetCache(DynamicCache):
-    """A `DynamicCache` whose layers are `PreallocatedLayer`s; `keep_rows` commits a branch in every layer."""
+class SlotCache(DynamicCache):
+    """Per-slot KV rows for up to `slots` sequences (None: grown as used); `feed` before every forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int = 1) -> None:
         super().__init__()
-        self.layer_class_to_replicate = PreallocatedLayer
+        self.slots = slots
+        self.layer_class_to_replicate = lambda: SlotLayer(self)
+        self.first, self.starts, self.kv_len, self.slots_used = 0, [0], 0, 1  # set by `feed`
 
-    def keep_rows(self, start: int, rows: torch.Tensor) -> None:
+    def feed(self, first: int, starts: list[int], q: int) -> None:
+        """The next forward feeds q tokens to each of slots first, first + 1, ..., written from rows `starts`."""
+        if first + len(starts) > self.slots:
+            raise ValueError(f"slots {first}..{first + len(starts) - 1} fed, the cache has {self.slots}")
+        self.first, self.starts, self.kv_len = first, starts, max(starts) + q
+        self.slots_used = max(self.slots_used, first + len(starts))
+
+    def keep_rows(self, slot: int, start: int, rows: torch.Tensor) -> None:
         for layer in self.layers:
-            layer.keep_rows(start, rows)
+            layer.keep_rows(slot, start, rows)
+
+    def copy(self, src: int, dst: int | slice, length: int) -> None:
+        """The first `length` rows of slot `src` to slot(s) `dst`, in every layer."""
+        dst = slice(dst, dst + 1) if isinstance(dst, int) else dst
+        self.slots_used = max(self.slots_used, dst.stop)
+        for layer in self.layers:
+            layer.copy(src, dst, length)
+
+    def snapshot(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of slot `slot`'s first `length` rows in every layer (`restore` writes it into any slot)."""
+        return [layer.snapshot(slot, length) for layer in self.layers]
+
+    def restore(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.slots_used = max(self.slots_used, slot + 1)
+        for layer, layer_kv in zip(self.layers, kv, strict=True):
+            layer.restore(slot, layer_kv)
+
+    def release(self) -> None:
+        """Free every buffer (the batch is empty); the next forward allocates again."""
+        for layer in self.layers:
+            layer._k = layer._v = None
+        self.slots_used = 1
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now."""
+        return sum(2 * layer._k.nbytes for layer in self.layers if layer._k is not None)

@@ -1,9 +1,11 @@
-"""Target: a frozen Hugging Face causal LM with a KV cache that verifies draft trees.
+"""Target: a frozen Hugging Face causal LM with a KV cache that verifies draft trees, for one sequence or many.
 
-Cache convention: the cache holds every token of the sequence except the last one, the *root*.
+Cache convention: a sequence's cache holds every token except the last one, the *root*.
 Each round feeds the root plus the draft tree in one forward (`verify`), then keeps the root and
 the accepted nodes in the cache (`commit`); the correction/bonus token becomes the next root.
 Plain decoding is the same round with an empty tree: one forward over the root.
+Several sequences share a forward (`verify_batch`): each owns a slot of the cache (runtime/kvcache.py), its rows
+padded to the widest tree's, every row masked to its own sequence's keys.
 No modeling file is copied: the model's own forward runs with a float 4D tree mask and explicit
 position ids. The fast path (on by default) is in three small pieces: a preallocated cache that commits a branch
 by moving only its rows (runtime/kvcache.py), prepacked linear kernels (runtime/kernels.py) and grouped-query
@@ -23,7 +25,7 @@ from transformers import PreTrainedModel
 
 from headstart.runtime.attention import AttentionLayout, MaskBuffer, use_grouped_sdpa
 from headstart.runtime.kernels import Prepacked, prepack_linears
-from headstart.runtime.kvcache import TargetCache
+from headstart.runtime.kvcache import SlotCache
 from headstart.runtime.tree import DraftTree, tree_visibility
 
 
@@ -46,10 +48,11 @@ def features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -
 class Target:
     prepack_default = True  # `fast` when not given (the test suite's --no-prepack turns it off)
 
-    def __init__(self, model: PreTrainedModel, fast: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, fast: bool | None = None, slots: int = 1) -> None:
         """`fast`: prepack the model's linear layers in place (CPU; `runtime/kernels.py`), once (`packed` says how
         and in how many seconds), trees then padded to the row counts the packed kernels are made for; and attend
-        to a tree with grouped-query SDPA (`grouped` says whether; runtime/attention.py)."""
+        to a tree with grouped-query SDPA (`grouped` says whether; runtime/attention.py). `slots`: the sequences
+        the cache holds at once (`verify_batch`)."""
         fast = self.prepack_default if fast is None else fast
         self.model = model.eval().requires_grad_(False)
         self.device = model.device
@@ -58,9 +61,10 @@ class Target:
         self.layout = AttentionLayout(model.config)
         self.packed = prepack_linears(model) if fast else Prepacked()
         self.grouped = use_grouped_sdpa(model) if fast else False
-        self._fed = 0  # rows the last `verify` fed: the root, the tree, any padding
         self._lm_head_clock: list[float] | None = None  # [start, seconds] while `timing_lm_head` is on
-        self.cache = TargetCache()  # full on every layer, sliding-window ones too (runtime/attention.py)
+        self.cache = SlotCache(slots)  # full on every layer, sliding-window ones too (runtime/attention.py)
+        self.lengths = [0] * slots  # tokens committed per slot
+        self._fed = [0] * slots  # rows the last `verify` fed per slot: the root, the tree, any padding
         self.mask_buffer = MaskBuffer(self.dtype, self.device)
 
     def use_kernels(self, kind: str) -> None:
@@ -69,22 +73,44 @@ class Target:
             self.packed = prepack_linears(self.model, kind)
 
     @property
+    def slots(self) -> int:
+        return self.cache.slots
+
+    @property
     def past_len(self) -> int:
-        """Tokens committed to the KV cache."""
-        return self.cache.get_seq_length()
+        """Tokens committed to slot 0's cache."""
+        return self.lengths[0]
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], layers: tuple[int, ...] = (-1,)) -> torch.Tensor | None:
-        """Start a new sequence: cache `token_ids` (every prompt token but the last, the first root).
+    def prefill(self, token_ids: list[int], layers: tuple[int, ...] = (-1,), slot: int = 0) -> torch.Tensor | None:
+        """Start a new sequence in `slot`: cache `token_ids` (every prompt token but the last, the first root).
 
         Returns their features (len, F) from the hidden states `layers`, or None when there are none.
         """
-        self.cache = TargetCache()
+        self.lengths[slot] = 0
+        return self.extend(token_ids, layers, slot)
+
+    @torch.inference_mode()
+    def extend(
+        self, token_ids: list[int], layers: tuple[int, ...] | None = (-1,), slot: int = 0
+    ) -> torch.Tensor | None:
+        """Cache `token_ids` after what `slot` holds (a prefill in chunks); their features as `prefill`'s (`layers`
+        None: every hidden state, (layers + 1, len, H))."""
         if not token_ids:
             return None
-        ids = torch.tensor([token_ids], device=self.device)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(layers),
-                         logits_to_keep=1)  # fmt: skip
+        past = self.lengths[slot]
+        self.cache.feed(slot, [past], len(token_ids))
+        out = self.model(
+            input_ids=torch.tensor([token_ids], device=self.device),
+            position_ids=torch.arange(past, past + len(token_ids), device=self.device)[None],
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=layers is None or bool(layers),
+            logits_to_keep=1,
+        )
+        self.lengths[slot] = past + len(token_ids)
+        if layers is None:
+            return torch.stack(out.hidden_states)[:, 0]
         return features(out.hidden_states, layers)[0] if layers else None
 
     def _padded(self, tree: DraftTree, past: int) -> DraftTree:
@@ -97,12 +123,12 @@ class Target:
         return DraftTree([*tree.tokens, *[0] * (bucket - rows)], [*tree.parents, *[-1] * (bucket - rows)])
 
     @torch.inference_mode()
-    def verify(self, root: int, tree: DraftTree, layers: tuple[int, ...] = (-1,)) -> Verified:
-        """Score the root and every node of `tree` in one forward: (n+1) rows of logits and features. The cache
-        grows by the rows fed (n + 1, or a padded count) until `commit`."""
-        past, n = self.past_len, len(tree)
+    def verify(self, root: int, tree: DraftTree, layers: tuple[int, ...] = (-1,), slot: int = 0) -> Verified:
+        """Score the root and every node of `tree` in one forward: (n+1) rows of logits and features. The slot's
+        cache grows by the rows fed (n + 1, or a padded count) until `commit`."""
+        past, n = self.lengths[slot], len(tree)
         tree = self._padded(tree, past)
-        self._fed = len(tree) + 1
+        rows = len(tree) + 1
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)  # (1, rows)
         t0 = time.perf_counter()
         if len(tree) and self.layout.window is None:  # only the tree's block of the mask is written
@@ -115,10 +141,56 @@ class Target:
         else:  # plain decoding step: one query, the model masks it as its own forward would
             mask, positions = None, torch.tensor([[past]], device=self.device)
         mask_s = time.perf_counter() - t0
-        clock = self._lm_head_clock
-        if clock is not None:
-            clock[1] = 0.0
-        out = self.model(
+        out = self._forward(ids, mask, positions, layers, slot, [past])
+        self.lengths[slot], self._fed[slot] = past + rows, rows
+        hidden = features(out.hidden_states, layers)[0, : n + 1] if layers else None
+        return Verified(out.logits[0, : n + 1], hidden, mask_s, self._lm_head_s())
+
+    @torch.inference_mode()
+    def verify_batch(self, roots: list[int], trees: list[DraftTree], layers: tuple[int, ...] = (-1,)) -> list[Verified]:
+        """`verify` for the sequences in slots 0, 1, ..., len(roots) - 1 in one forward: each feeds its root and
+        tree, padded to the widest (padding rows repeat the root and are never committed); every row sees only
+        its own sequence's committed keys and tree ancestors (and its window). One sequence: `verify`."""
+        if len(roots) == 1:
+            return [self.verify(roots[0], trees[0], layers)]
+        r, q = len(roots), max(len(t) for t in trees) + 1
+        pasts = self.lengths[:r]
+        t0 = time.perf_counter()
+        kv_len = max(pasts) + q
+        allowed = torch.zeros(r, q, kv_len, dtype=torch.bool)
+        positions = torch.zeros(r, q, dtype=torch.long)
+        key_pos = torch.zeros(r, kv_len, dtype=torch.long)
+        ids = torch.zeros(r, q, dtype=torch.long)
+        for i, (root, tree, past) in enumerate(zip(roots, trees, pasts, strict=True)):
+            n = len(tree)
+            allowed[i, :, :past] = True
+            allowed[i, : n + 1, past : past + n + 1] = tree.ancestor_mask()
+            allowed[i, n + 1 :, past] = True  # padding rows see the root (and the prefix): nothing reads them
+            depths = torch.tensor([0, *tree.depths] + [0] * (q - n - 1))
+            positions[i] = past + depths
+            key_pos[i, :past] = torch.arange(past)
+            key_pos[i, past : past + q] = past + depths
+            ids[i] = torch.tensor([root, *tree.tokens] + [root] * (q - n - 1))
+        mask = self.layout.batch_masks(allowed, positions, key_pos, self.dtype, self.device)
+        mask_s = time.perf_counter() - t0
+        out = self._forward(ids.to(self.device), mask, positions.to(self.device), layers, 0, pasts)
+        for i, past in enumerate(pasts):
+            self.lengths[i], self._fed[i] = past + q, q
+        hidden = features(out.hidden_states, layers) if layers else None
+        lm_head_s = self._lm_head_s()
+        return [
+            Verified(
+                out.logits[i, : len(t) + 1], None if hidden is None else hidden[i, : len(t) + 1], mask_s, lm_head_s
+            )
+            for i, t in enumerate(trees)
+        ]
+
+    def _forward(self, ids, mask, positions, layers: tuple[int, ...], first: int, starts: list[int]):
+        """The model's forward over `ids` (r, q) fed to slots first.. from rows `starts`."""
+        self.cache.feed(first, list(starts), ids.shape[1])
+        if self._lm_head_clock is not None:
+            self._lm_head_clock[1] = 0.0
+        return self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
@@ -126,9 +198,9 @@ class Target:
             use_cache=True,
             output_hidden_states=bool(layers),
         )
-        hidden = features(out.hidden_states, layers)[0, : n + 1] if layers else None
-        lm_head_s = clock[1] if clock is not None else 0.0
-        return Verified(logits=out.logits[0, : n + 1], hidden=hidden, mask_s=mask_s, lm_head_s=lm_head_s)
+
+    def _lm_head_s(self) -> float:
+        return self._lm_head_clock[1] if self._lm_head_clock is not None else 0.0
 
     @contextmanager
     def timing_lm_head(self) -> Iterator[None]:
@@ -155,14 +227,25 @@ class Target:
             self._lm_head_clock = None
 
     @torch.inference_mode()
-    def commit(self, path: list[int]) -> None:
-        """After a `verify`, keep the root and the accepted `path` (node indices) in the cache, drop the rest."""
-        n_fed, self._fed = self._fed, 0
-        drop = n_fed - 1 - len(path)
-        if path == list(range(len(path))):  # accepted nodes lie right after the root: just crop the tail
-            if drop:
-                self.cache.crop(-drop)
-            return
-        root_pos = self.past_len - n_fed
-        nodes = torch.tensor(path, device=self.device) + root_pos + 1  # (len(path),) rows of the accepted nodes
-        self.cache.keep_rows(root_pos + 1, nodes)  # prefix and root stay where they are; only the path moves
+    def commit(self, path: list[int], slot: int = 0) -> None:
+        """After a `verify`, keep the root and the accepted `path` (node indices) in the slot's cache, drop the
+        rest."""
+        n_fed, self._fed[slot] = self._fed[slot], 0
+        root_pos = self.lengths[slot] - n_fed
+        self.lengths[slot] = root_pos + 1 + len(path)
+        if path != list(range(len(path))):  # accepted nodes not right after the root: move only the path
+            nodes = torch.tensor(path, device=self.device) + root_pos + 1  # (len(path),) rows of the accepted nodes
+            self.cache.keep_rows(slot, root_pos + 1, nodes)
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int) -> None:
+        """Sequence `src`'s cache to slot `dst` (a leaver's slot refilled by the last live one)."""
+        self.cache.copy(src, dst, self.lengths[src])
+        self.lengths[dst], self.lengths[src] = self.lengths[src], 0
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one cached token holds over every layer."""
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8

@@ -14,7 +14,7 @@ from headstart.runtime.attention import GROUPED_SDPA, MaskBuffer, grouped_sdpa
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.generate import stream
 from headstart.runtime.kernels import ROW_BUCKETS, PackedLinear, prepack_linears
-from headstart.runtime.kvcache import TargetCache
+from headstart.runtime.kvcache import SlotCache
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree, tree_visibility
 from helpers.models import tiny_llama
@@ -22,39 +22,49 @@ from helpers.models import tiny_llama
 PROMPT = [5, 9, 3, 17, 22, 8, 41, 3, 17]
 
 
-def _filled_cache(rows: int) -> TargetCache:
-    cache = TargetCache()
-    for layer in range(2):
-        k = torch.arange(rows, dtype=torch.float32).view(1, 1, rows, 1).expand(1, 2, rows, 4) + 1000 * layer
-        cache.update(k.clone(), -k.clone(), layer)
+def _filled_cache(rows: int, slots: int = 1) -> SlotCache:
+    """Slot s, layer l, row j holds j + 1000 l + 100000 s."""
+    cache = SlotCache(slots)
+    for slot in range(slots):
+        cache.feed(slot, [0], rows)
+        for layer in range(2):
+            k = torch.arange(rows, dtype=torch.float32).view(1, 1, rows, 1).expand(1, 2, rows, 4)
+            k = k + 1000 * layer + 100000 * slot
+            cache.update(k.clone(), -k.clone(), layer)
     return cache
 
 
-def test_commit_moves_only_the_accepted_rows():
-    cache = _filled_cache(20)  # rows 0..11 committed, 12 = the root, 13..19 a tree of 7 nodes
+def test_commit_moves_only_the_accepted_rows_of_its_slot():
+    cache = _filled_cache(20, slots=2)  # rows 0..11 committed, 12 = the root, 13..19 a tree of 7 nodes
     buffers = [(layer._k.data_ptr(), layer._k.clone()) for layer in cache.layers]
-    cache.keep_rows(13, torch.tensor([14, 17, 19]))  # nodes 1, 4, 6 accepted
-    assert cache.get_seq_length() == 16
+    cache.keep_rows(1, 13, torch.tensor([14, 17, 19]))  # slot 1: nodes 1, 4, 6 accepted
     for layer, (ptr, before) in zip(cache.layers, buffers, strict=True):
         assert layer._k.data_ptr() == ptr  # no new cache: moved in place
-        torch.testing.assert_close(layer.keys[0, 0, :, 0] % 1000, torch.tensor([*range(13), 14.0, 17, 19]))
-        torch.testing.assert_close(layer._k[..., :13, :], before[..., :13, :])  # the prefix untouched
-        torch.testing.assert_close(layer._k[..., 16:20, :], before[..., 16:20, :])  # past the new end: not written
-        torch.testing.assert_close(layer.values, -layer.keys)
+        torch.testing.assert_close(layer._k[1, 0, :16, 0] % 1000, torch.tensor([*range(13), 14.0, 17, 19]))
+        torch.testing.assert_close(layer._k[1, :, :13], before[1, :, :13])  # the prefix untouched
+        torch.testing.assert_close(layer._k[1, :, 16:20], before[1, :, 16:20])  # past the new end: not written
+        torch.testing.assert_close(layer._k[0], before[0])  # the other slot untouched
+        torch.testing.assert_close(layer._v, -layer._k)
 
 
-def test_cache_grows_by_doubling_and_crops_by_length():
-    cache, moves, last = TargetCache(), 0, None
+def test_cache_grows_by_doubling_and_slots_write_at_their_own_rows():
+    cache, moves, last = SlotCache(2), 0, None
     for step in range(1, 2001):
-        cache.update(torch.full((1, 1, 1, 2), float(step)), torch.zeros(1, 1, 1, 2), 0)
+        cache.feed(0, [step - 1, 2 * (step - 1)], 1)  # slot 1 writes every other row
+        cache.update(torch.full((2, 1, 1, 2), float(step)), torch.zeros(2, 1, 1, 2), 0)
         ptr = cache.layers[0]._k.data_ptr()
         moves, last = moves + (ptr != last), ptr
-    assert cache.get_seq_length() == 2000 and moves <= 5  # 1 + log2(2000 / 256) reallocations, not 2000
-    torch.testing.assert_close(cache.layers[0].keys[0, 0, :, 0], torch.arange(1.0, 2001))
-    cache.crop(-5)
-    assert cache.get_seq_length() == 1995 and cache.layers[0].keys.shape[-2] == 1995
-    with pytest.raises(ValueError, match="negative"):
-        cache.crop(3)
+    assert moves <= 6  # 1 + log2(4000 / 256) reallocations, not 2000
+    assert cache.layers[0].keys.shape[-2] == 2 * 1999 + 1  # the fed slots' first kv_len rows
+    torch.testing.assert_close(cache.layers[0]._k[0, 0, :2000, 0], torch.arange(1.0, 2001))
+    torch.testing.assert_close(cache.layers[0]._k[1, 0, 0:4000:2, 0], torch.arange(1.0, 2001))
+    cache.copy(1, 0, 3)
+    torch.testing.assert_close(cache.layers[0]._k[0, 0, :4, 0], torch.tensor([1.0, 0, 2, 4]))
+    kv = cache.snapshot(1, 5)
+    cache.restore(0, kv)
+    torch.testing.assert_close(cache.layers[0]._k[0, 0, :5, 0], cache.layers[0]._k[1, 0, :5, 0])
+    cache.release()
+    assert cache.nbytes() == 0
 
 
 def test_mask_buffer_equals_a_fresh_mask_every_round():

@@ -55,10 +55,10 @@ def assert_greedy_identity(model, drafter: Drafter, prompts: list[list[int]], ma
         first_children.update(kids[0] for kids in tree.children() if kids)
         return type(target).verify(target, root, tree, *args, **kwargs)
 
-    def commit(path: list[int]) -> None:
+    def commit(path: list[int], slot: int = 0) -> None:
         seen.siblings += any(node not in first_children for node in path)
         seen.head_accepted += sum(node < proposed for node in path)
-        type(target).commit(target, path)
+        type(target).commit(target, path, slot)
 
     inner.propose, target.verify, target.commit = propose, verify, commit  # recorded, then called as they are
     try:

@@ -1,0 +1,163 @@
+"""The decode loop for B sequences (`generate.Batch`): each sequence's tokens are its own batch-1 decode.
+
+Float64 tiny models (batch numerics cannot flip a near-tie there): prompts of mixed lengths, sequences joining
+mid-decode (prefilled in chunks while the others decode), one leaving mid-decode, a shared prefix, a drafter's
+tree verified beside plain rows, a sliding-window family past its window. At T > 0 a sequence decoded beside
+others follows the target's distribution (chi-square over 3,000 runs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.lookup import LookupDrafter
+from headstart.runtime.generate import Batch, GenerationStats, Request, SharedPrefix
+from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.target import Target
+from helpers.exactness import SAMPLING, SecondGuess, first_three_joint, sampling_model
+from helpers.models import tiny_llama
+from helpers.stats import chi_square_pvalue
+
+PREFIX = [7, 7, 30, 31]  # every prompt but the last starts with it
+PROMPTS = [
+    [*PREFIX, 5, 9, 3, 17, 22, 8, 41, 3, 17, 22, 8],
+    [*PREFIX, 60, 12, 60, 12, 60, 7],
+    [*PREFIX, 1],
+    [*PREFIX, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29],
+    [*PREFIX, 44, 45],
+    [50, 51, 52, 53, 54, 55, 56],  # no shared prefix
+]
+NEW = 24
+
+
+def _greedy(model, prompt: list[int], new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def _run(batch: Batch, requests: list[Request], joins: dict[int, list[Request]], leave: tuple[int, Request] | None):
+    """Rounds until every request is done: `joins[k]` join before round k, `leave` = (k, request) leaves then."""
+    tokens = {id(r): [] for r in requests}
+    for r in joins.get(0, []):
+        batch.add(r)
+    k = 0
+    while not all(r.done for r in requests):
+        k += 1
+        for r in joins.get(k, []):
+            batch.add(r)
+        if leave is not None and leave[0] == k:
+            batch.remove(leave[1])
+        for r, chunk in batch.round():
+            tokens[id(r)] += chunk.tokens
+        assert k < 500, "the batch never finished"
+    return tokens
+
+
+def _model(family: str = "llama"):
+    if family == "llama":
+        return tiny_llama(vocab_size=64, init_std=0.3).double()
+    config = tf.MistralConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_each_sequence_decodes_its_own_greedy_tokens_beside_others(family):
+    model = _model(family)
+    target = Target(model, fast=False, slots=4)
+    batch = Batch(target, prefill_chunk=3, prefix=SharedPrefix(PREFIX))
+    guess = SecondGuess({tuple(PROMPTS[1]): _greedy(model, PROMPTS[1], NEW)}, vocab_size=64)
+    requests = [
+        Request(p, max_new_tokens=NEW - 3 * i, drafter=guess if i == 1 else Drafter()) for i, p in enumerate(PROMPTS)
+    ]
+    leaver = requests[2]
+    joins = {0: requests[:3], 2: requests[3:5], 9: requests[5:]}  # 6 requests through 4 slots
+    got = _run(batch, requests, joins, leave=(5, leaver))
+    for r in requests:
+        want = _greedy(model, r.prompt_ids, r.max_new_tokens)
+        if r is leaver:  # left after round 4: what it had so far is its greedy prefix
+            assert 0 < len(got[id(r)]) < len(want) and got[id(r)] == want[: len(got[id(r)])]
+        else:
+            assert got[id(r)] == want, f"prompt {r.prompt_ids}"
+    assert sum(requests[1].stats.accepted_per_depth) > 10  # its trees, verified beside plain rows, commit siblings
+    assert len(batch) == 0 and target.cache.nbytes() == 0  # the cache is freed when the batch empties
+
+
+def test_a_shared_prefix_is_computed_once():
+    model = _model()
+    target, calls = Target(model, fast=False, slots=2), []
+    extend = target.extend
+    target.extend = lambda ids, *a, **k: calls.append(len(ids)) or extend(ids, *a, **k)
+    batch = Batch(target, prefix=SharedPrefix(PREFIX))
+    requests = [Request(p, max_new_tokens=4) for p in PROMPTS[:2]]
+    _run(batch, requests, {0: requests[:1], 1: requests[1:]}, None)
+    again = Request(PROMPTS[2], max_new_tokens=4)
+    _run(batch, [again], {0: [again]}, None)  # after the batch emptied and its cache was freed
+    assert calls.count(len(PREFIX)) == 1
+    assert calls == [len(PREFIX), len(PROMPTS[0]) - 1 - len(PREFIX), len(PROMPTS[1]) - 1 - len(PREFIX)]
+
+
+def test_a_joiner_waits_for_the_kv_budget():
+    model = _model()
+    target = Target(model, fast=False, slots=4)
+    per_seq = 2 * (len(PROMPTS[0]) + 8) * target.kv_bytes_per_token()
+    batch = Batch(target, kv_budget=int(1.5 * per_seq))  # one sequence fits, two do not
+    requests = [Request(PROMPTS[0], max_new_tokens=8), Request(PROMPTS[1], max_new_tokens=8)]
+    for r in requests:
+        batch.add(r)
+    batch.round()
+    assert [r.slot for r in requests] == [0, -1]
+    got = _run(batch, requests, {}, None)
+    assert got[id(requests[1])] == _greedy(model, PROMPTS[1], 8)
+
+
+def test_sampling_beside_neighbours_follows_the_target():
+    """3,000 runs of one prompt at T > 0, each decoded beside other sequences (other prompts and seeds, some
+    speculating): the joint of its first three tokens is the target's."""
+    model = sampling_model()
+    prompt = [1, 5, 2, 7]
+    joint = first_three_joint(model, prompt, SAMPLING)
+    target = Target(model, slots=8)
+    vocab = model.config.vocab_size
+    counts = torch.zeros(vocab, vocab, vocab)
+    runs, per_batch = 3000, 4
+    for b in range(runs // per_batch):
+        batch = Batch(target)
+        ours = [Request(prompt, max_new_tokens=3, sampling=SAMPLING, seed=b * per_batch + i) for i in range(4)]
+        others = [
+            Request([3, 3, 1 + i], max_new_tokens=2 + i, sampling=SamplingParams(0.7 + 0.2 * i), seed=10**6 + b)
+            for i in range(3)
+        ]
+        others.append(Request([1, 5, 2], max_new_tokens=5, drafter=LookupDrafter(), sampling=SAMPLING, seed=b))
+        mixed = [ours[0], others[0], ours[1], others[1], others[2], ours[2], others[3], ours[3]]
+        got = _run(batch, mixed, {0: mixed[:6], 1: mixed[6:]}, None)
+        for r in ours:
+            a, b_, c = got[id(r)]
+            counts[a, b_, c] += 1
+    impossible = int(counts[joint == 0].sum())
+    assert impossible == 0
+    assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+def test_stats_of_a_sequence_in_a_batch():
+    model = _model()
+    batch = Batch(Target(model, fast=False, slots=2))
+    requests = [Request(p, max_new_tokens=6, stats=GenerationStats()) for p in PROMPTS[:2]]
+    _run(batch, requests, {0: requests}, None)
+    for r in requests:
+        assert r.stats.new_tokens == 6 and r.stats.target_passes == 6 and r.stats.plain_passes == 6
+        assert r.stats.elapsed_s > 0 and set(r.stats.phase_s) >= {"propose", "layers", "accept", "commit"}
