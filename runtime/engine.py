@@ -24,7 +24,7 @@ from headstart.heads.checkpoint import CheckpointConfig
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, choose_kernels, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
-from headstart.runtime.generate import GenerationStats, stream
+from headstart.runtime.generate import Chunk, GenerationStats, SharedPrefix, stream
 from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
@@ -40,6 +40,30 @@ class TextChunk:
     drafted: int  # how many of them (the first ones) were draft tokens the target accepted
     text: str  # the text these tokens made safe to show (held back while a stop string may be forming)
     finish_reason: str | None = None  # on the last chunk: "stop" (EOS, stop string), "length" or "time"
+
+
+class RequestText:
+    """A request's rounds as text: incremental detokenising, cut at the token that completes a stop string."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], eos: frozenset[int]) -> None:
+        self.decoder, self.stop, self.eos_ids, self.eos = TextDecoder(tokenizer, stop), stop, eos, False
+
+    def push(self, chunk: Chunk) -> TextChunk:
+        """The chunk's text; finish_reason "stop" when a stop string completed (its text never shown)."""
+        before = self.decoder.snapshot() if self.stop else self.decoder
+        text = self.decoder.push(chunk.tokens)
+        if self.decoder.stopped:  # cut at the first token that completes the stop string
+            self.decoder, text = before, ""
+            for k, token in enumerate(chunk.tokens, 1):
+                text += self.decoder.push([token])
+                if self.decoder.stopped:
+                    return TextChunk(chunk.tokens[:k], min(chunk.drafted, k), text, "stop")
+        self.eos = self.eos or bool(chunk.tokens and chunk.tokens[-1] in self.eos_ids)
+        return TextChunk(chunk.tokens, chunk.drafted, text)
+
+    def end(self, finish: str) -> TextChunk:
+        """The last chunk: the text held back, and why the request ended."""
+        return TextChunk([], 0, self.decoder.finish(), finish)
 
 
 @dataclass
@@ -102,7 +126,14 @@ class Engine:
                     file=sys.stderr,
                 )
         hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
-        engine = cls(hf_model, tokenizer, model_name=model, profile=profile, adapter=adapter, prepack=prepack)
+        engine = cls(
+            hf_model,
+            tokenizer,
+            model_name=model,
+            profile=profile,
+            adapter=adapter,
+            prepack=prepack,
+        )
         engine.drafter = engine.make_drafter(drafter, **options)
         return engine
 
@@ -188,6 +219,13 @@ class Engine:
         (`runtime/tokens.chat_ids`: what the messages say stays text)."""
         return chat_ids(self.tokenizer, messages)
 
+    def chat_prefix(self) -> SharedPrefix:
+        """The tokens every chat prompt starts with under the model's template (its system turn), to be cached once
+        (`generate.SharedPrefix`)."""
+        a, b = (self.encode_chat([{"role": "user", "content": text}]) for text in ("A", "Z"))
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        return SharedPrefix(a[:n])
+
     def stream(
         self,
         prompt_ids: list[int],
@@ -205,28 +243,20 @@ class Engine:
         shown), or ("time") at the first round that ends past `deadline` (a `time.perf_counter()` value).
         `drafter` None: the engine's own.
         """
-        decoder = TextDecoder(self.tokenizer, stop)
+        text = RequestText(self.tokenizer, stop, self.eos_ids)
         rounds = stream(
             self.target, prompt_ids, drafter or self.drafter, sampling, max_new_tokens, self.eos_ids, seed, stats
         )
         finish = "length"
         for chunk in rounds:
-            before = decoder.snapshot() if stop else decoder
-            text = decoder.push(chunk.tokens)
-            if decoder.stopped:  # cut at the first token that completes the stop string
-                decoder, text = before, ""
-                for k, token in enumerate(chunk.tokens, 1):
-                    text += decoder.push([token])
-                    if decoder.stopped:
-                        yield TextChunk(chunk.tokens[:k], min(chunk.drafted, k), text, "stop")
-                        return
-            if chunk.tokens and chunk.tokens[-1] in self.eos_ids:
-                finish = "stop"
-            yield TextChunk(chunk.tokens, chunk.drafted, text)
-            if finish == "length" and deadline is not None and time.perf_counter() > deadline:
+            out = text.push(chunk)
+            yield out
+            if out.finish_reason:
+                return
+            if deadline is not None and time.perf_counter() > deadline and not text.eos:
                 finish = "time"
                 break
-        yield TextChunk([], 0, decoder.finish(), finish)
+        yield text.end("stop" if text.eos else finish)
 
     def stream_text(self, prompt_ids: list[int], **kwargs: Any) -> Iterator[str]:
         """Text deltas as tokens are accepted; kwargs as for `stream`."""

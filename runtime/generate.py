@@ -79,6 +79,7 @@ class Request:
     eos_ids: frozenset[int] | set[int] = frozenset()
     seed: int | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    owner: object = None  # whoever asked for it (the server's job)
     context: list[int] = field(default_factory=list)  # prompt + new tokens; the last is the root
     done: bool = False
     slot: int = -1  # its row of the target's cache while it is in the batch
@@ -250,6 +251,12 @@ class Batch:
 
 
 PREFILL_CHUNK = 64  # prompt tokens prefilled per round while others decode
+
+
+def kv_bytes(target: Target, sequences: int, longest: int) -> int:
+    """What the cache may grow to for `sequences` slots whose longest holds `longest` tokens: every slot is as wide
+    as the widest, and a buffer grows by doubling (so up to twice what it holds)."""
+    return sequences * 2 * longest * target.kv_bytes_per_token()
 
 
 def check_request(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:

@@ -76,6 +76,10 @@ class Target:
     def slots(self) -> int:
         return self.cache.slots
 
+    def set_slots(self, slots: int) -> None:
+        """Hold `slots` sequences at once from now on (nothing cached survives)."""
+        self.cache, self.lengths, self._fed = SlotCache(slots), [0] * slots, [0] * slots
+
     @property
     def past_len(self) -> int:
         """Tokens committed to slot 0's cache."""

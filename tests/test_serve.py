@@ -156,7 +156,7 @@ def test_completion_prompt_errors(server):
 
 
 def test_full_queue_gets_429_and_a_disconnect_frees_the_worker(tiny_model_dir):
-    live = LiveServer(tiny_engine(tiny_model_dir, "none", delay_s=0.05), max_queue=1)
+    live = LiveServer(tiny_engine(tiny_model_dir, "none", delay_s=0.05), max_queue=1, max_batch=1)  # one decodes
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 200, "stream": True}
     try:
         with (
@@ -345,3 +345,62 @@ def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, capsys):
     assert "without an API key" in err and err.count("\n") == 2
     assert main(["serve", "--host", "0.0.0.0", "--api-key", "k"]) == 2
     assert "without an API key" not in capsys.readouterr().err
+
+
+def test_requests_decode_together_each_as_it_would_alone(tiny_model_dir):
+    """Eight clients at once on a server that batches: each greedy answer (its own max_tokens, stop strings) is the
+    one it gets alone, beside sampling neighbours (their own temperature and seed); more than one request decoded
+    at a time; a client that leaves mid-way frees its slot and its neighbours finish unharmed. (A sampled answer's
+    tokens for a seed may differ alone, where it speculates, and in a batch, where it decodes plainly: the same
+    distribution, tests/test_batch.py.)"""
+    engine = tiny_engine(tiny_model_dir, "lookup")
+    engine.eos_ids = frozenset()  # every request runs to its own limit
+    live = LiveServer(engine, max_batch=4)
+    bodies = [
+        {"prompt": p, "max_tokens": 12 + 5 * i, "temperature": 0} | ({"stop": [" the"]} if i == 1 else {})
+        for i, p in enumerate(PROMPTS)
+    ]
+    bodies += [{"prompt": PROMPTS[0], "max_tokens": 15, "temperature": 0.9, "seed": s} for s in (1, 2, 3)]
+
+    def ask(body):
+        r = httpx.post(live.url + "/v1/completions", json={"model": NAME, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    try:
+        alone = [ask(b) for b in bodies]
+        peak, stop = [0.0], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                peak[0] = max(peak[0], live.metric("headstart_running_requests"))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with ThreadPoolExecutor(len(bodies) + 1) as pool:
+            leaver = pool.submit(leave_after, live.url, {"model": NAME, "prompt": "x", "max_tokens": 400}, 0.5)
+            together = list(pool.map(ask, bodies))
+            leaver.result()
+        stop.set()
+        watcher.join()
+        greedy = [i for i, b in enumerate(bodies) if b["temperature"] == 0]
+        assert [together[i] for i in greedy] == [alone[i] for i in greedy]
+        assert all(together[i] for i in range(len(bodies)) if i not in greedy)
+        assert peak[0] > 1
+        assert wait_for(lambda: live.metric("headstart_running_requests") == 0)
+    finally:
+        live.close()
+
+
+def leave_after(url: str, body: dict, seconds: float) -> None:
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, timeout=seconds)
+
+
+def wait_for(condition, seconds: float = 10) -> bool:
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -28,10 +28,11 @@ def wait_until(condition, seconds: float = 10.0, what: str = "") -> float:
 
 @pytest.fixture(scope="module")
 def slow(tiny_model_dir):
-    """A server whose rounds take 20 ms or more, so a long request is long; no <eos> ends it early."""
+    """A server whose rounds take 20 ms or more, so a long request is long; no <eos> ends it early. One request
+    decodes at a time (max_batch 1), so the next ones queue."""
     engine = tiny_engine(tiny_model_dir, "none", delay_s=0.02)
     engine.eos_ids = frozenset()
-    live = LiveServer(engine, max_queue=2, max_body_bytes=1 << 20)
+    live = LiveServer(engine, max_queue=2, max_body_bytes=1 << 20, max_batch=1)
     yield live
     live.close()
 

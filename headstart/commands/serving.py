@@ -13,7 +13,7 @@ from headstart.runtime.prompts import load_prompts
 
 
 def add_parsers(sub) -> None:
-    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (one request at a time, FIFO queue)")
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, FIFO queue)")
     common.add_model_args(sv, "auto")
     common.add_prepack_arg(sv)
     common.add_adapter_args(sv)
@@ -34,6 +34,10 @@ def add_parsers(sub) -> None:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
     sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
+    sv.add_argument("--max-batch", type=int, default=None, help="requests decoded at once (default 16)")
+    sv.add_argument(
+        "--kv-cache-gb", type=float, default=None, help="KV cache budget; requests wait until they fit (default 4)"
+    )
     sv.add_argument(
         "--step-aside-queue",
         type=int,
@@ -83,7 +87,13 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     if not 0 < args.port < 65536:
         raise common.UserError(f"--port must be in 1..65535, got {args.port}")
-    for flag, value in (("--max-queue", args.max_queue), ("--time-limit", args.time_limit)):
+    limits = (
+        ("--max-queue", args.max_queue),
+        ("--time-limit", args.time_limit),
+        ("--max-batch", args.max_batch),
+        ("--kv-cache-gb", args.kv_cache_gb),
+    )
+    for flag, value in limits:
         if value is not None and value <= 0:
             raise common.UserError(f"{flag} must be > 0, got {value}")
     if args.step_aside_queue is not None and args.step_aside_queue < 0:
@@ -93,6 +103,8 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         "time_limit_s": args.time_limit,
         "step_aside_queue": args.step_aside_queue,
         "min_acceptance": args.min_acceptance,
+        "max_batch": args.max_batch,
+        "kv_cache_gb": args.kv_cache_gb,
     }
     if args.max_body_mb is not None:
         if args.max_body_mb <= 0:
@@ -115,7 +127,11 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         f"({dataclasses.asdict(config)})",
         file=sys.stderr,
     )
-    uvicorn.run(build_app(engine, config, api_key), host=args.host, port=args.port, log_level="info")
+    try:
+        app = build_app(engine, config, api_key)
+    except ValueError as e:  # the KV budget cannot hold one full-length sequence
+        raise common.UserError(f"{e}: raise --kv-cache-gb") from None
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 

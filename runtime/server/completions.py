@@ -31,6 +31,8 @@ class ServeConfig:
     step_aside_queue: int | None = None  # decode plainly while more requests than this wait; None = never
     min_acceptance: float | None = None  # decode plainly a while when recent rounds accept less; None = never
     max_body_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
+    max_batch: int = 16  # requests decoded at once (continuous batching); the engine's cache holds as many
+    kv_cache_gb: float = 4.0  # the KV cache's budget; a request waits until it fits
 
 
 class Completions:
@@ -40,7 +42,14 @@ class Completions:
         self.engine, self.config = engine, config
         self.metrics = ServerMetrics()
         self.worker = Worker(
-            engine, self.metrics, config.max_queue, config.time_limit_s, config.step_aside_queue, config.min_acceptance
+            engine,
+            self.metrics,
+            config.max_queue,
+            config.time_limit_s,
+            config.step_aside_queue,
+            config.min_acceptance,
+            config.max_batch,
+            int(config.kv_cache_gb * 2**30),
         )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the worker decodes with its own; a fast one is not shared
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="headstart-encode")

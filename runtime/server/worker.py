@@ -1,10 +1,15 @@
-"""The model worker: one thread owns the Engine and runs queued jobs one at a time, first in, first out.
+"""The model worker: one thread owns the Engine and decodes up to `max_batch` jobs at once in the one decode loop
+(`generate.Batch`), continuous batching: a job joins between rounds and leaves when done; more wait in a FIFO queue.
 
 Handlers submit a Job and read its events from an asyncio queue: ("delta", text), then one final
 ("done", finish_reason) or ("error", message). A job is cancelled (its client went away) or runs
-out of time between rounds of the decode loop, so the worker is free again within one round; a job
-cancelled while it waits gives its queue slot back at once. When the worker thread dies, every job
-still waiting gets an error and new ones are refused (`WorkerDeadError`): the server answers 503.
+out of time between rounds, so its slot is free again within one round; a job cancelled while it waits gives
+its queue slot back at once. When the worker thread dies, every job still waiting or decoding gets an error
+and new ones are refused (`WorkerDeadError`): the server answers 503.
+
+Speculation (this round of the server): the engine's drafter serves one job at a time, and drafts only while
+that job decodes alone (a tree beside plain rows would pad every row to its width); the other jobs decode
+plainly beside it. Each job has its own sampling, seed, stop strings, limits and statistics.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.gate import AcceptanceGate, GatedDrafter
-from headstart.runtime.engine import Engine
-from headstart.runtime.generate import GenerationStats
+from headstart.runtime.engine import Engine, RequestText
+from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.server.metrics import ServerMetrics
 
@@ -45,6 +51,9 @@ class Job:
     stats: GenerationStats = field(default_factory=GenerationStats)
     timed_out: bool = False
     token_ids: list[int] = field(default_factory=list)  # generated so far (cut at a stop string)
+    request: Request | None = None  # in the batch
+    text: RequestText | None = None
+    deadline: float = 0.0
 
     def send(self, kind: str, value: str) -> None:
         """From the worker thread: hand one event to the handler's event loop."""
@@ -52,7 +61,8 @@ class Job:
 
 
 class Worker:
-    """`step_aside_queue`: decode plainly while more requests than this wait (None: never);
+    """`max_batch`: jobs decoded at once; `kv_budget`: bytes the KV cache may hold (None: no limit);
+    `step_aside_queue`: the drafter proposes nothing while more requests than this wait (None: never);
     `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this."""
 
     def __init__(
@@ -63,15 +73,29 @@ class Worker:
         time_limit_s: float,
         step_aside_queue: int | None = None,
         min_acceptance: float | None = None,
+        max_batch: int = 1,
+        kv_budget: int | None = None,
     ) -> None:
         self.engine, self.metrics, self.time_limit_s, self.max_queue = engine, metrics, time_limit_s, max_queue
+        self.max_batch = max_batch
+        if engine.target.slots != max_batch:
+            engine.target.set_slots(max_batch)
+        full = kv_bytes(engine.target, 1, engine.target.max_len)
+        if kv_budget is not None and kv_budget < full:
+            raise ValueError(
+                f"a KV cache of {kv_budget / 2**30:.2f} GiB cannot hold one full-length sequence of this model "
+                f"({engine.target.max_len} tokens: {full / 2**30:.2f} GiB)"
+            )
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting: set[int] = set()  # ids of submitted jobs not yet started nor cancelled
         self.lock = threading.Lock()
+        self.batch = Batch(engine.target, kv_budget=kv_budget, prefix=engine.chat_prefix())
+        self.running: list[Job] = []
         gate = AcceptanceGate(min_acceptance) if min_acceptance else None
-        speculate = (lambda: self.queue_depth <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
-        self.drafter = GatedDrafter(engine.drafter, speculate, gate)
+        queue_ok = (lambda: self.queue_depth <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
+        self.drafter = GatedDrafter(engine.drafter, lambda: len(self.batch) == 1 and queue_ok(), gate)
         self.thread = threading.Thread(target=self._run, name="headstart-worker", daemon=True)
+        self.stopping = False
 
     def start(self) -> None:
         self.thread.start()
@@ -117,20 +141,29 @@ class Worker:
 
     def _run(self) -> None:
         try:
-            while (job := self.jobs.get()) is not None:
-                if not self._take(job):
+            while not self.stopping:
+                self._admit()
+                if not self.running:
                     continue
-                self.metrics.running.set(1)
                 try:
-                    finish = self._generate(job)
-                    job.send("done", finish)
-                except Exception as e:
-                    job.send("error", f"generation failed: {type(e).__name__}: {e}")
-                finally:
-                    self.metrics.running.set(0)
-                    self.metrics.record_generation(job.stats)
-                    self.metrics.latency.observe(time.perf_counter() - job.arrived)
-        finally:  # stopped or died: whoever still waits is told, nobody waits forever
+                    rounds = self.batch.round()
+                except Exception as e:  # the round failed: every job in it is told, the batch starts afresh
+                    for job in list(self.running):
+                        self._finish(job, "error", f"generation failed: {type(e).__name__}: {e}")
+                    continue
+                for request, chunk in rounds:
+                    self._deliver(request.owner, chunk)
+                for job in list(self.running):  # cancelled or out of time: the slot is free for the next round
+                    if job.cancelled.is_set():
+                        self._finish(job, "done", "cancelled")
+                    elif time.perf_counter() > job.deadline:
+                        job.timed_out = True
+                        self._finish(job, "done", "length", job.text.end("length").text)
+                    elif job.request.done:  # done without a round (max_tokens 0)
+                        self._finish(job, "done", "length")
+        finally:  # stopped or died: whoever still waits or decodes is told, nobody waits forever
+            for job in list(self.running):
+                job.send("error", "the model worker stopped")
             while True:
                 try:
                     job = self.jobs.get_nowait()
@@ -139,28 +172,61 @@ class Worker:
                 if job is not None and self._take(job):
                     job.send("error", "the model worker stopped")
 
-    def _generate(self, job: Job) -> str:
-        """Run the decode loop for `job`, sending text deltas; returns the finish reason."""
-        deadline = time.perf_counter() + self.time_limit_s
-        finish = "length"
-        for chunk in self.engine.stream(
-            job.prompt_ids,
-            job.sampling,
-            job.max_tokens,
-            job.seed,
-            job.stop,
-            stats=job.stats,
-            drafter=self.drafter,
-            deadline=deadline,
-        ):
-            if job.first_token_s is None and chunk.tokens:
-                job.first_token_s = time.perf_counter() - job.arrived
-                self.metrics.ttft.observe(job.first_token_s)
-            job.token_ids += chunk.tokens
-            if chunk.text:
-                job.send("delta", chunk.text)
-            if job.cancelled.is_set():
-                return "cancelled"
-            finish = chunk.finish_reason or finish
-        job.timed_out = finish == "time"
-        return "length" if job.timed_out else finish
+    def _admit(self) -> None:
+        """Queued jobs join the batch while it has room; with nothing running, wait for one."""
+        while len(self.running) < self.max_batch:
+            try:
+                job = self.jobs.get(block=not self.running)
+            except queue.Empty:
+                return
+            if job is None:
+                self.stopping = True
+                return
+            if not self._take(job):
+                continue
+            speculative = not any(j.request.drafter is self.drafter for j in self.running)
+            job.deadline = time.perf_counter() + self.time_limit_s
+            job.text = RequestText(self.engine.tokenizer, job.stop, self.engine.eos_ids)
+            request = Request(
+                job.prompt_ids,
+                self.drafter if speculative else Drafter(),
+                job.sampling,
+                job.max_tokens,
+                self.engine.eos_ids,
+                job.seed,
+                job.stats,
+                owner=job,
+            )
+            try:
+                job.request = self.batch.add(request)
+            except ValueError as e:
+                job.send("error", f"generation failed: {e}")
+                continue
+            self.running.append(job)
+            self.metrics.running.set(len(self.running))
+
+    def _deliver(self, job: Job, chunk) -> None:
+        """One round's tokens of `job`: text to its client; its end when it is done."""
+        if job.first_token_s is None and chunk.tokens:
+            job.first_token_s = time.perf_counter() - job.arrived
+            self.metrics.ttft.observe(job.first_token_s)
+        out = job.text.push(chunk)
+        job.token_ids += out.tokens
+        if out.finish_reason:  # a stop string completed
+            self._finish(job, "done", "stop", out.text)
+        elif job.request.done:
+            self._finish(job, "done", "stop" if job.text.eos else "length", out.text + job.text.end("").text)
+        elif out.text:
+            job.send("delta", out.text)
+
+    def _finish(self, job: Job, kind: str, value: str, text: str = "") -> None:
+        """`job` leaves the batch: its last text, then its end."""
+        if not job.request.done:
+            self.batch.remove(job.request)
+        self.running.remove(job)
+        if text:
+            job.send("delta", text)
+        job.send(kind, value)
+        self.metrics.running.set(len(self.running))
+        self.metrics.record_generation(job.stats)
+        self.metrics.latency.observe(time.perf_counter() - job.arrived)
