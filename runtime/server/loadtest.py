@@ -38,7 +38,7 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) 
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    first, tokens, extra = None, 0, {}
+    first, tokens, extra, arrivals = None, 0, {}, []
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             return {"status": r.status_code, "latency_s": time.perf_counter() - t0}
@@ -46,8 +46,9 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                first = time.perf_counter() - t0
+            if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                arrivals.append(time.perf_counter())
+                first = arrivals[0] - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             extra = chunk.get("headstart", extra)
@@ -58,7 +59,26 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) 
         "ttft_s": first if first is not None else latency,
         "tokens": tokens,
         "acceptance_length": extra.get("acceptance_length", 0.0),
+        "arrivals": arrivals,  # perf_counter() of each text delta
     }
+
+
+def steady_tokens_per_s(per_client: list[list[dict]]) -> float:
+    """Aggregate tok/s while every client is busy: from the last client's first token to the first client's last
+    token (ramp-up and the tail excluded); a request's tokens spread evenly over its deltas."""
+    times = [[t for r in rs for t in r.get("arrivals", [])] for rs in per_client]
+    if not all(times):
+        return 0.0
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    if end <= start:
+        return 0.0
+    tokens = sum(
+        r["tokens"] / len(r["arrivals"]) * sum(start <= t <= end for t in r["arrivals"])
+        for rs in per_client
+        for r in rs
+        if r.get("arrivals")
+    )
+    return tokens / (end - start)
 
 
 def auth(api_key: str | None) -> dict[str, str] | None:
@@ -78,10 +98,12 @@ def run_level(
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = [r for rs in pool.map(client_job, range(clients)) for r in rs]
+        per_client = list(pool.map(client_job, range(clients)))
     wall = time.perf_counter() - t0
+    results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r["status"] == 200]
     lat, ttft = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]
+    rate = [r["tokens"] / r["latency_s"] for r in ok]
     return {
         "clients": clients,
         "requests": len(results),
@@ -91,6 +113,9 @@ def run_level(
         "p50_ttft_s": percentile(ttft, 0.5),
         "p95_ttft_s": percentile(ttft, 0.95),
         "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "steady_tokens_per_s": steady_tokens_per_s(per_client),
+        "p50_request_tokens_per_s": percentile(rate, 0.5),
+        "p95_request_tokens_per_s": percentile(rate, 0.95),
         "wall_s": wall,
         "acceptance_length": statistics.fmean(r["acceptance_length"] for r in ok) if ok else 0.0,
     }
@@ -105,6 +130,9 @@ COLUMNS = [
     ("p50_ttft_s", "p50 TTFT s", "{:.2f}"),
     ("p95_ttft_s", "p95 TTFT s", "{:.2f}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("steady_tokens_per_s", "steady tok/s", "{:.1f}"),
+    ("p50_request_tokens_per_s", "p50 tok/s per request", "{:.1f}"),
+    ("p95_request_tokens_per_s", "p95 tok/s per request", "{:.1f}"),
     ("acceptance_length", "tau", "{:.2f}"),
 ]
 
