@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from headstart.commands import common
@@ -128,11 +131,33 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         file=sys.stderr,
     )
     try:
-        app = build_app(engine, config, api_key)
+        app = build_app(engine, config, api_key, worker_thread=False)
     except ValueError as e:  # the KV budget cannot hold one full-length sequence
         raise common.UserError(f"{e}: raise --kv-cache-gb") from None
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    # HTTP on a thread, decoding on this one (the thread that loaded the model: runtime/server/worker.py says why)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="headstart-http", daemon=True)
+    http.start()
+    signal.signal(signal.SIGTERM, lambda *_: app.state.worker.stop())
+    try:
+        while not server.started and http.is_alive():
+            time.sleep(0.05)
+        if not http.is_alive():
+            raise common.UserError(f"could not serve on {args.host}:{args.port} (see the log above)")
+        threading.Thread(target=_stop_with, args=(http, app.state.worker), daemon=True).start()
+        app.state.worker.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
     return 0
+
+
+def _stop_with(http, worker) -> None:
+    """The worker stops when the HTTP server does."""
+    http.join()
+    worker.stop()
 
 
 def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:

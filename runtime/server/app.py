@@ -59,15 +59,20 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-def build_app(engine: Engine, config: ServeConfig, api_key: str | None = None) -> BodyLimit:
+def build_app(engine: Engine, config: ServeConfig, api_key: str | None = None, worker_thread: bool = True) -> BodyLimit:
     """The app; with `api_key`, every /v1/ request needs `Authorization: Bearer <api_key>` (else 401), /health and
-    /metrics stay open. The key is kept out of `config`, which the CLI prints."""
+    /metrics stay open. The key is kept out of `config`, which the CLI prints. `worker_thread`: the app starts the
+    model worker on a thread of its own; False: the caller runs `app.state.worker.serve()` (and stops it)."""
     completions = Completions(engine, config)
+    if not worker_thread:
+        completions.worker.bind()
 
     async def lifespan(app: FastAPI):
-        completions.start()
+        if worker_thread:
+            completions.start()
         yield
-        completions.stop()
+        if worker_thread:
+            completions.stop()
 
     app = FastAPI(title="headstart", lifespan=lifespan)
     app.state.completions = completions
