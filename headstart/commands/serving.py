@@ -39,6 +39,9 @@ def add_parsers(sub) -> None:
     sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
     sv.add_argument("--max-batch", type=int, default=None, help="requests decoded at once (default 16)")
     sv.add_argument(
+        "--prefill-chunk", type=int, default=None, help="prompt tokens prefilled a round while others decode"
+    )
+    sv.add_argument(
         "--kv-cache-gb", type=float, default=None, help="KV cache budget; requests wait until they fit (default 4)"
     )
     sv.add_argument(
@@ -95,6 +98,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         ("--time-limit", args.time_limit),
         ("--max-batch", args.max_batch),
         ("--kv-cache-gb", args.kv_cache_gb),
+        ("--prefill-chunk", args.prefill_chunk),
     )
     for flag, value in limits:
         if value is not None and value <= 0:
@@ -108,6 +112,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         "min_acceptance": args.min_acceptance,
         "max_batch": args.max_batch,
         "kv_cache_gb": args.kv_cache_gb,
+        "prefill_chunk": args.prefill_chunk,
     }
     if args.max_body_mb is not None:
         if args.max_body_mb <= 0:

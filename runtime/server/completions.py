@@ -33,6 +33,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
     max_batch: int = 16  # requests decoded at once (continuous batching); the engine's cache holds as many
     kv_cache_gb: float = 4.0  # the KV cache's budget; a request waits until it fits
+    prefill_chunk: int | None = None  # prompt tokens prefilled a round while others decode (None: the loop's own)
 
 
 class Completions:
@@ -50,6 +51,7 @@ class Completions:
             config.min_acceptance,
             config.max_batch,
             int(config.kv_cache_gb * 2**30),
+            config.prefill_chunk,
         )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the worker decodes with its own; a fast one is not shared
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="headstart-encode")

@@ -61,7 +61,8 @@ class Job:
 
 
 class Worker:
-    """`max_batch`: jobs decoded at once; `kv_budget`: bytes the KV cache may hold (None: no limit);
+    """`max_batch`: jobs decoded at once; `kv_budget`: bytes the KV cache may hold (None: no limit); `prefill_chunk`:
+    prompt tokens prefilled a round while others decode (None: `generate.PREFILL_CHUNK`);
     `step_aside_queue`: the drafter proposes nothing while more requests than this wait (None: never);
     `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this."""
 
@@ -75,6 +76,7 @@ class Worker:
         min_acceptance: float | None = None,
         max_batch: int = 1,
         kv_budget: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.engine, self.metrics, self.time_limit_s, self.max_queue = engine, metrics, time_limit_s, max_queue
         self.max_batch = max_batch
@@ -89,7 +91,7 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting: set[int] = set()  # ids of submitted jobs not yet started nor cancelled
         self.lock = threading.Lock()
-        self.batch = Batch(engine.target, kv_budget=kv_budget, prefix=engine.chat_prefix())
+        self.batch = Batch(engine.target, prefill_chunk, kv_budget, engine.chat_prefix())
         self.running: list[Job] = []
         gate = AcceptanceGate(min_acceptance) if min_acceptance else None
         queue_ok = (lambda: self.queue_depth <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
