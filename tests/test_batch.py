@@ -161,3 +161,13 @@ def test_stats_of_a_sequence_in_a_batch():
     for r in requests:
         assert r.stats.new_tokens == 6 and r.stats.target_passes == 6 and r.stats.plain_passes == 6
         assert r.stats.elapsed_s > 0 and set(r.stats.phase_s) >= {"propose", "layers", "accept", "commit"}
+
+
+def test_join_gap_measures_the_rounds_around_a_join():
+    from headstart.runtime.engine import Engine
+    from headstart.runtime.join_gap import gaps
+    from helpers.models import tiny_tokenizer
+
+    engine = Engine(_model().float(), tiny_tokenizer(), prepack=False)
+    seconds = gaps(engine, [p[:6] for p in PROMPTS[:3]], join=list(range(1, 41)), chunk=8, streams=3)
+    assert len(seconds) == 10 + 5 + 10 and all(s > 0 for s in seconds)  # 39 cached tokens in chunks of 8: 5 rounds
