@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 DEEPSPEED ?= deepspeed==0.19.8
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm test-speculators clean
+.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm bench-serve test-speculators clean
 
 install: $(VENV)/.installed
 
@@ -79,6 +79,11 @@ test-vllm: install $(VLLM_VENV)/.installed
 # headstart beside vLLM on the same EAGLE-3 head, batch 1, float32: the table of docs/benchmarks.md (tests/engines/vllm_bench.py)
 bench-vllm: install $(VLLM_VENV)/.installed
 	$(BIN)/python tests/engines/vllm_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md $(VLLM_BENCH_ARGS)
+
+# headstart's server beside vLLM's on the same client and held-out chat prompts, 1 and 16 clients, float32: the table of
+# docs/serving.md (tests/engines/serve_bench.py; vLLM before and after headstart)
+bench-serve: install $(VLLM_VENV)/.installed
+	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/serving.md $(SERVE_BENCH_ARGS)
 
 # speculators 0.9.0 (vLLM's training library) in its own venv: its classes read headstart's EAGLE-3 exports, write heads of
 # each variant that headstart loads, and draft the same logits (tests/engines/speculators_check.py). It is installed

@@ -139,7 +139,7 @@ def test_wheel_runs_every_subcommand_from_elsewhere(venv, tiny_model_dir, tmp_pa
     proc = run(
         venv / "headstart", "loadtest", "--url", "http://127.0.0.1:9", "--prompts", prompts, cwd=elsewhere, check=False
     )
-    assert proc.returncode == 2 and "no headstart server at" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "no OpenAI-compatible server at" in proc.stderr, proc.stderr
     python = venv / "python"
     run(python, "-c", "import headstart, headstart.runtime.engine, headstart.train.heads", cwd=elsewhere)
     for bare in ("runtime", "train", "heads"):

@@ -165,10 +165,26 @@ def _stop_with(http, worker) -> None:
     worker.stop()
 
 
+def server_info(url: str, api_key: str | None) -> dict:
+    """headstart's /health ({"model", "drafter", ...}); another OpenAI server (vLLM, SGLang): its first model from
+    /v1/models, the drafter named after the server."""
+    import httpx
+
+    from headstart.runtime.server.loadtest import auth
+
+    url = url.rstrip("/")
+    try:
+        health = httpx.get(url + "/health", timeout=10)
+        if health.headers.get("content-type", "").startswith("application/json") and "model" in health.json():
+            return health.json()
+        models = httpx.get(url + "/v1/models", timeout=10, headers=auth(api_key)).json()["data"]
+        return {"model": models[0]["id"], "drafter": "peer", "server": models[0].get("owned_by", "openai")}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise common.UserError(f"no OpenAI-compatible server at {url}: {e}") from e
+
+
 def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
     from pathlib import Path
-
-    import httpx
 
     from headstart.runtime.server import loadtest
 
@@ -180,10 +196,7 @@ def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
         raise common.UserError("--clients, --requests-per-client and --max-tokens must be >= 1")
     prompts = [p.text for p in load_prompts(common.bench_prompts(args.prompts))]
     api_key = common.given_api_key(args)
-    try:
-        health = httpx.get(args.url.rstrip("/") + "/health", timeout=10).json()
-    except (httpx.HTTPError, ValueError) as e:
-        raise common.UserError(f"no headstart server at {args.url}: {e}") from e
+    health = server_info(args.url, api_key)
     if args.soak is not None:
         result = loadtest.soak(args.url, health["model"], prompts, args.soak, max(levels), api_key=api_key)
         print(json.dumps(result, indent=2))
