@@ -3,7 +3,8 @@ path per sequence, commit, stream.
 
 `Batch.round` is a round; batch 1 is a batch of one (`stream`). Sequences join and leave between rounds
 (continuous batching): a joiner's prompt is prefilled whole while nothing decodes, else in chunks of at most
-`prefill_chunk` tokens a round, so the running streams keep their pace. Each sequence has its own sampling
+`prefill_chunk` tokens a round, so the running streams keep their pace (a short prompt, at most `WHOLE_PREFILL`
+chunks, takes one round). Each sequence has its own sampling
 parameters, random stream, drafter, limits and statistics; its tokens depend on its own draws only (at T = 0 its
 greedy tokens, at T > 0 the target's distribution: `runtime/accept.py`). Plain decoding is this loop with the
 base `Drafter` (empty trees): one forward per token. Every speedup headstart reports is measured against it;
@@ -84,6 +85,7 @@ class Request:
     done: bool = False
     slot: int = -1  # its row of the target's cache while it is in the batch
     cached: int = 0  # prompt tokens prefilled so far (all but the last: ready)
+    whole: bool = False  # short enough to be prefilled in one round while others decode
     features: list[torch.Tensor] = field(default_factory=list)  # the prompt's, chunk by chunk, for `drafter.start`
     rng: Rng | None = None
     t_start: float = 0.0
@@ -182,16 +184,19 @@ class Batch:
         return out
 
     def _prefill(self) -> None:
-        """Admit joiners in order while a slot is free and the cache fits them; prefill the first (whole when
-        nothing decodes, else `prefill_chunk` tokens this round). A joiner whose prompt is cached decodes."""
+        """Admit joiners in order while a slot is free and the cache fits them; prefill the first: whole when nothing
+        decodes, else `prefill_chunk` tokens this round, or a short prompt (<= WHOLE_PREFILL chunks) at once. A
+        joiner whose prompt is cached decodes."""
         budget = self.prefill_chunk if self.decoding else None
         while self.joining and len(self.decoding) < self.target.slots and self._fits(self.joining[0]):
             r = self.joining[0]
             if r.slot < 0:
                 r.slot, r.t_start = len(self.decoding), time.perf_counter()
                 self._start_prefix(r)
+                r.whole = len(r.prompt_ids) - 1 - r.cached <= WHOLE_PREFILL * self.prefill_chunk
             todo = len(r.prompt_ids) - 1 - r.cached
-            take = todo if budget is None else min(todo, budget)
+            whole = budget is None or (r.whole and budget == self.prefill_chunk)  # alone in this round's prefill
+            take = todo if whole else min(todo, budget)
             if take:
                 hidden = self.target.extend(r.prompt_ids[r.cached : r.cached + take], _layers(r.drafter), r.slot)
                 r.features += [] if hidden is None else [hidden]
@@ -250,7 +255,8 @@ class Batch:
             self.target.cache.release()
 
 
-PREFILL_CHUNK = 64  # prompt tokens prefilled per round while others decode
+PREFILL_CHUNK = 64  # prompt tokens prefilled per round while others decode (docs/serving.md: measured)
+WHOLE_PREFILL = 8  # a joiner with at most this many chunks to prefill takes one round (short prompts join at once)
 
 
 def kv_bytes(target: Target, sequences: int, longest: int) -> int:

@@ -169,5 +169,8 @@ def test_join_gap_measures_the_rounds_around_a_join():
     from helpers.models import tiny_tokenizer
 
     engine = Engine(_model().float(), tiny_tokenizer(), prepack=False)
-    seconds = gaps(engine, [p[:6] for p in PROMPTS[:3]], join=list(range(1, 41)), chunk=8, streams=3)
-    assert len(seconds) == 10 + 5 + 10 and all(s > 0 for s in seconds)  # 39 cached tokens in chunks of 8: 5 rounds
+    prompts = [p[:6] for p in PROMPTS[:3]]
+    long = gaps(engine, prompts, join=[1 + i % 60 for i in range(100)], chunk=8, streams=3)
+    assert len(long) == 10 + 13 + 10 and all(s > 0 for s in long)  # 99 tokens to cache, 8 a round: 13 rounds
+    short = gaps(engine, prompts, join=[1 + i % 60 for i in range(50)], chunk=8, streams=3)
+    assert len(short) == 10 + 1 + 10  # at most WHOLE_PREFILL chunks: one round
