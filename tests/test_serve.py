@@ -243,7 +243,8 @@ def test_loadtest_reports_every_level(server, tmp_path, capsys):
     levels = json.loads(out.read_text())["levels"]
     assert [lv["requests"] for lv in levels] == [2, 6]
     assert all(lv["tokens_per_s"] > 0 and lv["p95_latency_s"] >= lv["p50_latency_s"] > 0 for lv in levels)
-    assert all(lv["steady_tokens_per_s"] > 0 and lv["p95_request_tokens_per_s"] > 0 for lv in levels)
+    assert all(lv["p95_request_tokens_per_s"] > 0 for lv in levels)
+    assert levels[0]["steady_tokens_per_s"] > 0  # 3 clients of 6 tokens may never be busy at once: 0 then
     assert main(["loadtest", "--url", "http://127.0.0.1:9"]) == 2
 
 

@@ -65,7 +65,8 @@ def one_request(client: httpx.Client, model: str, prompt: str, max_tokens: int) 
 
 def steady_tokens_per_s(per_client: list[list[dict]]) -> float:
     """Aggregate tok/s while every client is busy: from the last client's first token to the first client's last
-    token (ramp-up and the tail excluded); a request's tokens spread evenly over its deltas."""
+    token (ramp-up and the tail excluded); a request's tokens spread evenly over its deltas. 0 when the clients were
+    never all busy at once."""
     times = [[t for r in rs for t in r.get("arrivals", [])] for rs in per_client]
     if not all(times):
         return 0.0
