@@ -11,7 +11,6 @@ One request at a time: the target's cache belongs to the call that is streaming.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -117,14 +116,8 @@ class Engine:
         adapter directory applied on top (`runtime/adapters.py`), merged unless `merge_adapter` is False;
         None: the adapter the drafter's heads were trained with, if any (Medusa-2 heads hold theirs).
         """
-        if adapter is None:
+        if adapter is None:  # the target changes: base + the adapter (`Engine.adapter` says so; the CLI prints it)
             adapter = heads_adapter(drafter, model, options.get("heads"))
-            if adapter is not None:  # the target changes: say so (its answers are base + adapter's, not base's)
-                print(
-                    f"headstart: the {drafter} heads carry the LoRA adapter they were trained with: the target is "
-                    f"{model} + {adapter}",
-                    file=sys.stderr,
-                )
         hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
         engine = cls(
             hf_model,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from headstart.runtime.drafters.registry import names, option_names
@@ -174,7 +175,7 @@ def load_engine(args: argparse.Namespace):
     from headstart.runtime.engine import Engine
 
     options = drafter_options(args, args.drafter)  # checked before the model loads
-    return Engine.load(
+    engine = Engine.load(
         args.model,
         args.dtype,
         args.drafter,
@@ -185,6 +186,13 @@ def load_engine(args: argparse.Namespace):
         not args.no_prepack,
         **options,
     )
+    if args.adapter is None and engine.adapter is not None:  # the target is not the model alone: say so
+        print(
+            f"headstart: the {args.drafter} heads carry the LoRA adapter they were trained with: the target is "
+            f"{args.model} + {engine.adapter}",
+            file=sys.stderr,
+        )
+    return engine
 
 
 def sampling_params(temperature: float, top_k: int = 0, top_p: float = 1.0):
