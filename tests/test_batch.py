@@ -14,7 +14,7 @@ import transformers as tf
 
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.lookup import LookupDrafter
-from headstart.runtime.generate import Batch, GenerationStats, Request, SharedPrefix
+from headstart.runtime.generate import Batch, GenerationStats, Request, SharedPrefix, stream
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from helpers.exactness import SAMPLING, SecondGuess, first_three_joint, sampling_model
@@ -174,3 +174,22 @@ def test_join_gap_measures_the_rounds_around_a_join():
     assert len(long) == 10 + 13 + 10 and all(s > 0 for s in long)  # 99 tokens to cache, 8 a round: 13 rounds
     short = gaps(engine, prompts, join=[1 + i % 60 for i in range(50)], chunk=8, streams=3)
     assert len(short) == 10 + 1 + 10  # at most WHOLE_PREFILL chunks: one round
+
+
+def test_float32_fast_path_beside_others_differs_only_at_a_tie():
+    """The fast path (prepacked kernels, grouped attention) in float32: a sequence decoded beside others gives its
+    tokens alone, or first differs where its two candidates tie (< 1e-4 apart: batch numerics may pick either)."""
+    model = tiny_llama(vocab_size=64, init_std=0.3)
+    batched, alone = Target(model, slots=4), Target(model)
+    batch = Batch(batched, prefill_chunk=4)
+    requests = [Request(p, max_new_tokens=NEW) for p in PROMPTS[:5]]
+    got = _run(batch, requests, {0: requests[:3], 3: requests[3:]}, None)
+    for r in requests:
+        want = [t for chunk in stream(alone, r.prompt_ids, max_new_tokens=NEW) for t in chunk.tokens]
+        ours = got[id(r)]
+        if ours == want:
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(ours, want, strict=True)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt_ids + want[:k]])).logits[0, -1]
+        assert abs(float(logits[ours[k]] - logits[want[k]])) < 1e-4, f"prompt {r.prompt_ids}: no tie at token {k}"
