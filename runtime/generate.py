@@ -198,7 +198,7 @@ class Batch:
             whole = budget is None or (r.whole and budget == self.prefill_chunk)  # alone in this round's prefill
             take = todo if whole else min(todo, budget)
             if take:
-                hidden = self.target.extend(r.prompt_ids[r.cached : r.cached + take], _layers(r.drafter), r.slot)
+                hidden = self.target.extend(r.prompt_ids[r.cached : r.cached + take], r.drafter.feature_layers, r.slot)
                 r.features += [] if hidden is None else [hidden]
                 r.cached += take
             if r.cached < len(r.prompt_ids) - 1:
@@ -231,7 +231,7 @@ class Batch:
             self.target.cache.restore(r.slot, p.kv)
             self.target.lengths[r.slot] = len(p.ids)
         r.cached = len(p.ids)
-        layers = _layers(r.drafter)
+        layers = r.drafter.feature_layers
         if layers:
             r.features.append(features(tuple(p.hidden[:, None]), layers)[0])
 
@@ -275,10 +275,6 @@ def check_request(target: Target, prompt_ids: list[int], max_new_tokens: int) ->
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {target.max_len} tokens"
         )
-
-
-def _layers(drafter: Drafter) -> tuple[int, ...]:
-    return drafter.feature_layers
 
 
 def _feature_layers(live: list[Request]) -> tuple[int, ...]:
