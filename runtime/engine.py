@@ -61,8 +61,8 @@ class RequestText:
         return TextChunk(chunk.tokens, chunk.drafted, text)
 
     def end(self, finish: str) -> TextChunk:
-        """The last chunk: the text held back, and why the request ended."""
-        return TextChunk([], 0, self.decoder.finish(), finish)
+        """The last chunk: the text held back, and why the request ended ("stop" once EOS came, else `finish`)."""
+        return TextChunk([], 0, self.decoder.finish(), "stop" if self.eos else finish)
 
 
 @dataclass
@@ -249,7 +249,7 @@ class Engine:
             if deadline is not None and time.perf_counter() > deadline and not text.eos:
                 finish = "time"
                 break
-        yield text.end("stop" if text.eos else finish)
+        yield text.end(finish)
 
     def stream_text(self, prompt_ids: list[int], **kwargs: Any) -> Iterator[str]:
         """Text deltas as tokens are accepted; kwargs as for `stream`."""

@@ -177,7 +177,8 @@ class Batch:
         for r, t, v, a in zip(live, trees, verified, accepted, strict=True):
             r.drafter.observe(t, a.path, _own(v.hidden, r.drafter, layers), a.next_token)
         phases.lap("observe")
-        out = [(r, _emit(r, t, a, v, phases.s)) for r, t, v, a in zip(live, trees, verified, accepted, strict=True)]
+        split = _split_verify(phases.s, verified[0])  # the forward's mask and lm_head seconds are the batch's
+        out = [(r, _emit(r, t, a, phases.s, split)) for r, t, a in zip(live, trees, accepted, strict=True)]
         for r, _ in out:
             if r.done:
                 self.remove(r)
@@ -239,10 +240,8 @@ class Batch:
         """The cache, grown for one more sequence of `r`'s length, stays within `kv_budget`."""
         if self.kv_budget is None or r.slot >= 0:
             return True
-        need = max(
-            [len(x.prompt_ids) + x.max_new_tokens for x in self.decoding] + [len(r.prompt_ids) + r.max_new_tokens]
-        )
-        return (len(self.decoding) + 1) * 2 * need * self.target.kv_bytes_per_token() <= self.kv_budget
+        longest = max(len(x.prompt_ids) + x.max_new_tokens for x in [*self.decoding, r])
+        return kv_bytes(self.target, len(self.decoding) + 1, longest) <= self.kv_budget
 
     def _compact(self) -> None:
         """Keep the decoding sequences in slots 0, 1, ... and a prefilling joiner right after them."""
@@ -297,7 +296,7 @@ def _own(hidden: torch.Tensor | None, drafter: Drafter, layers: tuple[int, ...])
     )
 
 
-def _emit(r: Request, tree: DraftTree, accepted, verified, phase: dict[str, float]) -> Chunk:
+def _emit(r: Request, tree: DraftTree, accepted, phase: dict[str, float], split: dict[str, float]) -> Chunk:
     """The round's new tokens of `r` (cut at EOS and the limit), its statistics updated."""
     new = [tree.tokens[i] for i in accepted.path] + [accepted.next_token]
     new = new[: r.max_new_tokens - r.stats.new_tokens]
@@ -309,7 +308,7 @@ def _emit(r: Request, tree: DraftTree, accepted, verified, phase: dict[str, floa
     stats.target_passes += 1
     stats.plain_passes += not tree
     stats.new_tokens += len(new)
-    for name, seconds in _split_verify(phase, verified).items():
+    for name, seconds in split.items():
         stats.phase_s[name] += seconds
     stats.draft_s += phase["propose"] + phase["observe"]  # proposing, and updating the drafter's state
     stats.verify_s += phase["verify"] + phase["accept"] + phase["commit"]

@@ -61,8 +61,7 @@ class SlotLayer(DynamicLayer):
             self._k[c.first, :, start : start + q] = key_states[0]
             self._v[c.first, :, start : start + q] = value_states[0]
         else:
-            rows = torch.tensor(c.starts, device=key_states.device)[:, None] + torch.arange(q, device=key_states.device)
-            which = torch.arange(r, device=key_states.device)[:, None]  # (r, 1)
+            which, rows = c.index(key_states.device)  # (r, 1), (r, q)
             self._k[fed][which, :, rows] = key_states.transpose(1, 2)  # indexed as (r, q, kv_heads, head_dim)
             self._v[fed][which, :, rows] = value_states.transpose(1, 2)
         self.keys, self.values = self._k[fed, :, : c.kv_len], self._v[fed, :, : c.kv_len]
@@ -102,13 +101,22 @@ class SlotCache(DynamicCache):
         self.slots = slots
         self.layer_class_to_replicate = lambda: SlotLayer(self)
         self.first, self.starts, self.kv_len, self.slots_used = 0, [0], 0, 1  # set by `feed`
+        self.q, self._index = 0, None
 
     def feed(self, first: int, starts: list[int], q: int) -> None:
         """The next forward feeds q tokens to each of slots first, first + 1, ..., written from rows `starts`."""
         if first + len(starts) > self.slots:
             raise ValueError(f"slots {first}..{first + len(starts) - 1} fed, the cache has {self.slots}")
-        self.first, self.starts, self.kv_len = first, starts, max(starts) + q
+        self.first, self.starts, self.kv_len, self.q, self._index = first, starts, max(starts) + q, q, None
         self.slots_used = max(self.slots_used, first + len(starts))
+
+    def index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fed slots (r, 1) and the rows each writes (r, q): made once a forward, read by every layer."""
+        if self._index is None:
+            which = torch.arange(len(self.starts), device=device)[:, None]
+            rows = torch.tensor(self.starts, device=device)[:, None] + torch.arange(self.q, device=device)
+            self._index = (which, rows)
+        return self._index
 
     def keep_rows(self, slot: int, start: int, rows: torch.Tensor) -> None:
         for layer in self.layers:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from headstart.cli import main
-from helpers.server import NAME, LiveServer, tiny_engine
+from helpers.server import NAME, LiveServer, leave_after, tiny_engine, wait_until
 
 PROMPTS = ["the cat sat on", "a dog ran far", "one two three", "red blue green and", "then it was good"]
 
@@ -389,20 +389,6 @@ def test_requests_decode_together_each_as_it_would_alone(tiny_model_dir):
         assert [together[i] for i in greedy] == [alone[i] for i in greedy]
         assert all(together[i] for i in range(len(bodies)) if i not in greedy)
         assert peak[0] > 1
-        assert wait_for(lambda: live.metric("headstart_running_requests") == 0)
+        wait_until(lambda: live.metric("headstart_running_requests") == 0, what="the leaver still running")
     finally:
         live.close()
-
-
-def leave_after(url: str, body: dict, seconds: float) -> None:
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(url + "/v1/completions", json=body, timeout=seconds)
-
-
-def wait_for(condition, seconds: float = 10) -> bool:
-    deadline = time.time() + seconds
-    while not condition():
-        if time.time() > deadline:
-            return False
-        time.sleep(0.02)
-    return True

@@ -12,18 +12,9 @@ import httpx
 import pytest
 
 from headstart.cli import main
-from helpers.server import NAME, LiveServer, tiny_engine
+from helpers.server import NAME, LiveServer, leave_after, tiny_engine, wait_until
 
 STORY = {"model": NAME, "prompt": "the cat", "max_tokens": 400, "temperature": 1}
-
-
-def wait_until(condition, seconds: float = 10.0, what: str = "") -> float:
-    """Seconds it took `condition()` to hold; fails past `seconds`."""
-    t0 = time.perf_counter()
-    while not condition():
-        assert time.perf_counter() - t0 < seconds, f"not within {seconds} s: {what}"
-        time.sleep(0.02)
-    return time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +26,6 @@ def slow(tiny_model_dir):
     live = LiveServer(engine, max_queue=2, max_body_bytes=1 << 20, max_batch=1)
     yield live
     live.close()
-
-
-def leave_after(url: str, body: dict, seconds: float) -> None:
-    """A client that gives up after `seconds` (curl -m)."""
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(url + "/v1/completions", json=body, timeout=seconds)
 
 
 def test_a_non_streaming_client_that_leaves_is_cancelled_within_a_round(slow):

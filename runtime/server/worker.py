@@ -233,7 +233,8 @@ class Worker:
         if out.finish_reason:  # a stop string completed
             self._finish(job, "done", "stop", out.text)
         elif job.request.done:
-            self._finish(job, "done", "stop" if job.text.eos else "length", out.text + job.text.end("").text)
+            end = job.text.end("length")
+            self._finish(job, "done", end.finish_reason, out.text + end.text)
         elif out.text:
             job.send("delta", out.text)
 

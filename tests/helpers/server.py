@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 from openai import OpenAI
 
@@ -69,6 +70,21 @@ class LiveServer:
             if key == (f"{name}{{{want}}}" if labels else name):
                 return float(value)
         return 0.0
+
+
+def wait_until(condition, seconds: float = 10.0, what: str = "") -> float:
+    """Seconds it took `condition()` to hold; fails past `seconds`."""
+    t0 = time.perf_counter()
+    while not condition():
+        assert time.perf_counter() - t0 < seconds, f"not within {seconds} s: {what}"
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+def leave_after(url: str, body: dict, seconds: float) -> None:
+    """A client that gives up after `seconds` (curl -m)."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, timeout=seconds)
 
 
 def tiny_engine(model_dir, drafter: str = "lookup", delay_s: float = 0.0) -> Engine:
