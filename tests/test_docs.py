@@ -65,6 +65,11 @@ def test_architecture_lists_every_source_file():
         return
     files = (ROOT / "docs" / "architecture.md").read_text().split("## Files", 1)[1]
     listed = set(re.findall(r"^([\w./-]+)\s{2,}", files, re.M))
+    folders = {f for f in listed if f.endswith("/")}  # a fixture folder, listed once for every file in it
     wanted = {f for f in tracked if not f.endswith((".safetensors", ".png")) and f not in ("README.md", ".gitignore")}
+    wanted = {f for f in wanted if not f.startswith(tuple(folders))}
     assert not sorted(wanted - listed), f"add to docs/architecture.md: {sorted(wanted - listed)}"
-    assert not sorted(listed - set(tracked)), f"listed but not tracked: {sorted(listed - set(tracked))}"
+    stale = {f for f in listed - folders if f not in tracked} | {
+        d for d in folders if not any(f.startswith(d) for f in tracked)
+    }
+    assert not sorted(stale), f"listed but not tracked: {sorted(stale)}"

@@ -17,6 +17,7 @@ from headstart.runtime.drafters.registry import heads_adapter, make_drafter
 from headstart.runtime.engine import Engine
 from headstart.runtime.models import load_model
 from headstart.train import heads as train_heads
+from headstart.train import recipe
 from headstart.train.drift import measure_drift, summarize_drift
 from headstart.train.medusa2 import self_distillation_kl
 from helpers.exactness import assert_greedy_identity
@@ -30,7 +31,7 @@ LORA = {"heads.lora.r": 4, "heads.lora.target_modules": "[q_proj, v_proj, down_p
 def medusa2_run(tiny_model_dir, tmp_path_factory):
     """A 6-step Medusa-2 run on the tiny model: (output dir, held-out metrics)."""
     root = tmp_path_factory.mktemp("medusa2")
-    metrics = train_heads.run(make_cfg(root, tiny_model_dir, "medusa2", **LORA))["medusa2"]
+    metrics = recipe.run(make_cfg(root, tiny_model_dir, "medusa2", **LORA))["medusa2"]
     return root / "out", metrics
 
 

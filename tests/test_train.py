@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from headstart.heads.kinds import KINDS
 from headstart.heads.load import load_heads
 from headstart.heads.losses import eagle_unroll, head_metrics, medusa_labels
 from headstart.heads.masks import unroll_mask
 from headstart.runtime.prompts import load_prompts
 from headstart.train import heads as train_heads
+from headstart.train import recipe
 from headstart.train.config import ConfigError, load_config
 from headstart.train.data import Row, collate, make_batches
 from headstart.train.distill import derived_prompts
+from headstart.train.features import target_features
+from headstart.train.trainer import lr_lambda
 from helpers.models import ACCELERATE_LAUNCH, WORDS
 from helpers.pinned import fixed_batch_losses, load_pinned
 from helpers.training import make_cfg, write_shards
@@ -141,7 +146,7 @@ def test_cli_errors(tmp_path, capsys, tiny_model_dir):
 def test_training_reduces_loss_and_saves_heads(tmp_path, tiny_model_dir, kind):
     unroll = {"heads.unroll": 3, "heads.unroll_from_step": 4} if kind == "eagle" else {}  # eagle: 1 step, then 3
     cfg = make_cfg(tmp_path, tiny_model_dir, kind, **{"optim.max_steps": 12}, **unroll)
-    metrics = train_heads.run(cfg)[kind]
+    metrics = recipe.run(cfg)[kind]
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     losses = [x["train/loss"] for x in lines]
     assert losses[-1] < losses[0]
@@ -165,7 +170,7 @@ def test_a_heldout_folder_is_scored_never_trained_and_the_best_heads_are_kept(tm
         tmp_path, tiny_model_dir, "medusa", **{"data.heldout": heldout, "save_dtype": "float32", "heads.kind": "medusa"}
     )
     seen = {}
-    original = train_heads.Trainer.__init__
+    original = recipe.Trainer.__init__
 
     def spy(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -173,8 +178,8 @@ def test_a_heldout_folder_is_scored_never_trained_and_the_best_heads_are_kept(tm
         seen["index"] = sorted(r.index for r in self.train_rows + self.eval_rows)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_heads.Trainer, "__init__", spy)
-        train_heads.run(cfg)
+        mp.setattr(recipe.Trainer, "__init__", spy)
+        recipe.run(cfg)
     assert seen["eval"] == [str(i) for i in range(6)]
     assert seen["train"] == {str(i) for i in range(6, 40)}
     assert seen["index"] == list(range(40))  # every row's index is its place: the feature cache's key
@@ -201,7 +206,7 @@ def test_the_launch_configs_mixed_precision_is_honoured(tmp_path, monkeypatch, c
     AcceleratorState._reset_state(reset_partial_state=True)
     cfg = load_config(None, [f"mixed_precision={config}" if config else "seed=0"])
     try:
-        assert train_heads.make_accelerator(cfg, None, tmp_path).mixed_precision == expected
+        assert recipe.make_accelerator(cfg, None, tmp_path).mixed_precision == expected
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 
@@ -219,36 +224,36 @@ def test_saved_heads_name_no_home_folder(monkeypatch, tmp_path):
 
 def test_a_constant_schedule_holds_the_peak_after_warmup():
     cfg = load_config(None, ["optim.warmup_steps=4", "optim.max_steps=100", "optim.schedule=constant"])
-    factor = train_heads.lr_lambda(cfg)
+    factor = lr_lambda(cfg)
     assert [factor(s) for s in (0, 3, 4, 50, 99)] == [0.25, 1.0, 1.0, 1.0, 1.0]
     cfg = load_config(None, ["optim.warmup_steps=4", "optim.max_steps=100"])
-    assert train_heads.lr_lambda(cfg)(99) < 0.11  # the default decays to 10 %
+    assert lr_lambda(cfg)(99) < 0.11  # the default decays to 10 %
     with pytest.raises(ConfigError, match=r"optim\.schedule"):
-        train_heads.run(load_config(None, ["optim.schedule=linear", "output_dir=x", "data.path=y"]))
+        recipe.run(load_config(None, ["optim.schedule=linear", "output_dir=x", "data.path=y"]))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa2"])  # eagle: feature noise draws from the RNG; medusa2: its LoRA
 def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkeypatch, kind):
     lora = {"heads.lora.r": 4, "heads.lora.lr": 0.01} if kind == "medusa2" else {}
     whole = make_cfg(tmp_path / "a", tiny_model_dir, kind, **lora)
-    train_heads.run(whole)
+    recipe.run(whole)
     files = ("model.safetensors", "adapter_model.safetensors")[: 2 if kind == "medusa2" else 1]
     expected = {f: load_file(tmp_path / "a" / "out" / "heads" / f) for f in files}
 
     cfg = make_cfg(tmp_path / "b", tiny_model_dir, kind, **lora)
-    original = train_heads.Trainer.loss
+    original = recipe.Trainer.loss
 
     def die_in_step_5(self, batch, step=0):
         if step == 4:
             raise KeyboardInterrupt  # killed in step 5: step 4 is logged, the last checkpoint is step 3's
         return original(self, batch, step)
 
-    monkeypatch.setattr(train_heads.Trainer, "loss", die_in_step_5)
+    monkeypatch.setattr(recipe.Trainer, "loss", die_in_step_5)
     with pytest.raises(KeyboardInterrupt):
-        train_heads.run(cfg)
-    monkeypatch.setattr(train_heads.Trainer, "loss", original)
+        recipe.run(cfg)
+    monkeypatch.setattr(recipe.Trainer, "loss", original)
     assert not (tmp_path / "b" / "out" / "heads").exists()
-    train_heads.run(cfg)  # the same command again: resumes at step 3, step 4's log line replaced
+    recipe.run(cfg)  # the same command again: resumes at step 3, step 4's log line replaced
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # steps 1-3 ran once: the second run resumed, it did not start over
     for f in files:
@@ -257,33 +262,53 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
             assert torch.equal(expected[f][name], resumed[name]), name
 
 
+@pytest.mark.parametrize("kind", ["eagle", "medusa2"])
+def test_a_checkpoint_written_before_the_recipe_split_resumes_after_it(tmp_path, tiny_model_dir, kind):
+    """tests/data/presplit/KIND: step 3 of the kill-and-resume run above, written by train/heads.py as it was
+    before the Trainer, the warm starts and the recipe left it (Accelerate's state files as they were saved).
+    The recipe now resumes it at step 3 and ends with the weights of a run that was never stopped."""
+    lora = {"heads.lora.r": 4, "heads.lora.lr": 0.01} if kind == "medusa2" else {}
+    recipe.run(make_cfg(tmp_path / "a", tiny_model_dir, kind, **lora))
+    cfg = make_cfg(tmp_path / "b", tiny_model_dir, kind, **lora)
+    shutil.copytree(Path(__file__).parent / "data" / "presplit" / kind, tmp_path / "b" / "out")
+    recipe.run(cfg)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # 1-3 from before the split (its step 4 line dropped), 4-6 resumed
+    files = ("model.safetensors", "adapter_model.safetensors")[: 2 if kind == "medusa2" else 1]
+    for f in files:
+        expected, resumed = (load_file(tmp_path / run / "out" / "heads" / f) for run in "ab")
+        assert expected.keys() == resumed.keys()
+        for name in expected:
+            assert torch.equal(expected[name], resumed[name]), name
+
+
 def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_model_dir):
     from accelerate import Accelerator
 
     from headstart.train.data import load_rows
 
-    train_heads.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle", **{"heads.draft_vocab": 8}))
+    recipe.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle", **{"heads.draft_vocab": 8}))
     trained = tmp_path / "a" / "out" / "heads"
     cfg = make_cfg(tmp_path / "b", tiny_model_dir, "eagle", **{"heads.draft_vocab": 12, "heads.init_from": trained})
-    model, tokenizer = train_heads.load_target(cfg)
+    model, tokenizer = recipe.load_target(cfg)
     rows = load_rows(cfg.data.path, cfg.data.max_len)
-    warm = train_heads.Trainer(cfg, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
+    warm = recipe.Trainer(cfg, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
     saved = load_file(trained / "model.safetensors")
     assert set(warm) == set(saved) and warm["draft_vocab"].shape == (12,)  # recomputed for this run
     for name in set(saved) - {"draft_vocab"}:
         assert torch.equal(warm[name], saved[name].float()), name  # bf16 on disk: exact in float32
-    train_heads.run(cfg)
+    recipe.run(cfg)
     lines = [json.loads(x) for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "acceptance_length" in lines[0]  # the trained heads on this run's held-out rows
     assert [x["step"] for x in lines] == list(range(7))
     _, config = load_heads(tmp_path / "b" / "out" / "heads", model, tokenizer)
     assert config.extra["init_from"] == {"path": str(trained), "steps": 6, "data_rows": config.extra["data_rows"]}
-    train_heads.run(make_cfg(tmp_path / "medusa", tiny_model_dir, "medusa"))
+    recipe.run(make_cfg(tmp_path / "medusa", tiny_model_dir, "medusa"))
     medusa = tmp_path / "medusa" / "out" / "heads"
     for bad, message in [(tmp_path, "is not a heads checkpoint"), (medusa, "other heads")]:
         wrong = make_cfg(tmp_path / "b", tiny_model_dir, "eagle", **{"heads.init_from": bad})
         with pytest.raises(ConfigError, match=message):
-            train_heads.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
+            recipe.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
 
 
 def test_init_from_an_eagle3_head_moves_its_lm_head_rows_with_their_tokens(tmp_path, tiny_model_dir):
@@ -291,13 +316,13 @@ def test_init_from_an_eagle3_head_moves_its_lm_head_rows_with_their_tokens(tmp_p
 
     from headstart.train.data import load_rows
 
-    train_heads.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle3", **{"heads.draft_vocab": 8}))
+    recipe.run(make_cfg(tmp_path / "a", tiny_model_dir, "eagle3", **{"heads.draft_vocab": 8}))
     trained = tmp_path / "a" / "out" / "heads"
     saved = load_file(trained / "model.safetensors")
     cfg = make_cfg(tmp_path / "b", tiny_model_dir, "eagle3", **{"heads.draft_vocab": 12, "heads.init_from": trained})
-    model, tokenizer = train_heads.load_target(cfg)
+    model, tokenizer = recipe.load_target(cfg)
     rows = load_rows(cfg.data.path, cfg.data.max_len)
-    warm = train_heads.Trainer(cfg, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
+    warm = recipe.Trainer(cfg, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
     assert warm["draft_vocab"].shape == (12,) and warm["lm_head.weight"].shape[0] == 12  # recomputed, grown
     old_row = {int(t): i for i, t in enumerate(saved["draft_vocab"])}
     target_rows = model.get_output_embeddings().weight.float()
@@ -314,15 +339,15 @@ def test_init_from_an_eagle3_head_moves_its_lm_head_rows_with_their_tokens(tmp_p
     # heads.keep_vocab: the trained vocabulary as it is, in its order, every row carried
     keep = {"heads.draft_vocab": 8, "heads.init_from": trained, "heads.keep_vocab": True}
     kept = make_cfg(tmp_path / "c", tiny_model_dir, "eagle3", **keep)
-    warm = train_heads.Trainer(kept, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
+    warm = recipe.Trainer(kept, Accelerator(cpu=True), model, tokenizer, rows).heads.state_dict()
     assert torch.equal(warm["draft_vocab"], saved["draft_vocab"])
     assert torch.equal(warm["lm_head.weight"], saved["lm_head.weight"].float())
     wrong = make_cfg(tmp_path / "c", tiny_model_dir, "eagle3", **{**keep, "heads.draft_vocab": 12})
     with pytest.raises(ConfigError, match="drafts 8 tokens"):
-        train_heads.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
+        recipe.Trainer(wrong, Accelerator(cpu=True), model, tokenizer, rows)
     kept.heads.init_from = ""
     with pytest.raises(ConfigError, match="which is not set"):
-        train_heads.run(kept)
+        recipe.run(kept)
 
 
 def test_training_prompts_skip_malformed_lines_and_keep_permissive_rows(tmp_path, capsys):
@@ -586,7 +611,7 @@ def test_every_checked_in_config_loads_and_shows_its_launch_command():
     for path in configs:
         cfg = load_config(path)
         assert "accelerate launch train/heads.py --config configs/" + path.name in path.read_text(), path
-        assert all(k in train_heads.KINDS for k in cfg.heads.kind.split(","))
+        assert all(k in KINDS for k in cfg.heads.kind.split(","))
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
@@ -597,14 +622,14 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
 
     live = make_cfg(tmp_path, tiny_model_dir, kind)
     cached = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features")})
-    model, tokenizer = train_heads.load_target(live)
+    model, tokenizer = recipe.load_target(live)
     rows = load_rows(live.data.path, live.data.max_len)
 
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
-    a = train_heads.Trainer(live, acc, model, tokenizer, rows)
-    b = train_heads.Trainer(cached, acc, model, tokenizer, rows)
+    a = recipe.Trainer(live, acc, model, tokenizer, rows)
+    b = recipe.Trainer(cached, acc, model, tokenizer, rows)
     b.heads.load_state_dict(a.heads.state_dict())  # the same initial heads
     for index in range(3):
         batch = a.micro_batch(index)
@@ -621,16 +646,16 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     assert cache.missing() == list(range(len(rows)))  # another target key: nothing matches
     key = json.loads(b.features.key)
     assert FeatureCache(tmp_path / "features", rows, key).missing() == []
-    changed = [r if r.index else train_heads.Row(r.input_ids[:-1], r.n_prompt, 0, r.id) for r in rows]
+    changed = [r if r.index else Row(r.input_ids[:-1], r.n_prompt, 0, r.id) for r in rows]
     assert FeatureCache(tmp_path / "features", changed, key).missing() == [0]
-    more = [*rows, train_heads.Row([3, 4, 5, 6], 2, len(rows), "new")]
+    more = [*rows, Row([3, 4, 5, 6], 2, len(rows), "new")]
     grown = FeatureCache(tmp_path / "features", more, key, b.layers)
     assert grown.missing() == [len(rows)] and grown.build(model, 0, 128) == 1
     grown.scan()
     assert grown.missing() == [] and len(list((tmp_path / "features").glob("*.safetensors"))) == 2
     torch.testing.assert_close(
         grown.batch([len(rows)], 4)[0].float(),
-        train_heads.target_features(model, torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4), b.layers)[0].float(),
+        target_features(model, torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4), b.layers)[0].float(),
     )
     first = sorted((tmp_path / "features").glob("*.safetensors"), key=lambda p: p.stat().st_mtime)[0]
     first.write_bytes(b"truncated")
@@ -638,4 +663,4 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     blocked = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features" / "x" / "y")})
     (tmp_path / "features" / "x").write_text("")  # a file where the cache folder should be
     with pytest.raises(ConfigError, match="is not writable"):
-        train_heads.Trainer(blocked, acc, model, tokenizer, rows)
+        recipe.Trainer(blocked, acc, model, tokenizer, rows)

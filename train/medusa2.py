@@ -25,8 +25,49 @@ from torch import nn
 from headstart.heads.losses import medusa_loss
 from headstart.runtime.adapters import quiet_peft
 from headstart.runtime.target import features
-from headstart.train.config import ConfigError, LoraConfig
+from headstart.train.config import ConfigError, HeadsConfig, LoraConfig
 from headstart.train.features import hidden_states
+
+
+class LoraTraining:
+    """Medusa-2's hook in the trainer (`HeadKind.trains_target`): the target gets a fresh LoRA that trains with
+    the heads, at its own learning rate, under `medusa2_loss`; evaluation reads the adapted target's features
+    and reports its drift from the original (`drift/kl`); the LoRA is saved beside the heads."""
+
+    def __init__(self, model: nn.Module, heads: nn.Module, cfg: HeadsConfig) -> None:
+        self.target = attach_lora(model, cfg.lora)  # the peft model
+        self.module = AdaptedTarget(self.target, heads)  # what trains: base + LoRA + heads
+        self.param_group = {"params": [p for p in self.target.parameters() if p.requires_grad], "lr": cfg.lora.lr}
+        self.lm_head = model.get_output_embeddings().weight  # (V, H), for the KL
+        self.num_heads, self.kl_weight = cfg.num_heads, cfg.lora.kl_weight
+
+    def loss(self, module: nn.Module, heads: nn.Module, batch: dict[str, torch.Tensor], tools) -> torch.Tensor:
+        """`module`: the AdaptedTarget as Accelerate wrapped it; `tools`: the kind's Tools (readout, to_draft)."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        return medusa2_loss(
+            module,
+            heads,
+            tools.readout,
+            self.lm_head,
+            ids,
+            mask,
+            batch["loss_mask"],
+            self.num_heads,
+            self.kl_weight,
+            tools.to_draft,
+        )
+
+    @torch.no_grad()
+    def eval_features(self, module: nn.Module, batch: dict[str, torch.Tensor]):
+        """(the adapted target's features (B, T, H), {"drift/kl": (mean KL per token, tokens)})."""
+        hidden, original = module(batch["input_ids"], batch["attention_mask"])
+        mask = batch["loss_mask"]
+        n = int(mask[:, 1:].sum())
+        return hidden, ({"drift/kl": (drift_kl(hidden, original, self.lm_head, mask).item(), n)} if n else {})
+
+    def save(self, folder: str | Path, base_name: str) -> str:
+        """The LoRA into `folder`; its hash (the heads' fingerprint names it)."""
+        return save_adapter(self.target, folder, base_name)
 
 
 def attach_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

@@ -165,10 +165,10 @@ def assert_first_three_follow_target(
 def train_tiny_heads(tmp_path, model_dir, kind: str, steps: int = 10, **overrides):
     """Heads trained for a few steps (on synthetic distilled rows unless `data.path` is given); returns the heads
     directory."""
-    from headstart.train import heads as train_heads
+    from headstart.train import recipe
     from helpers.training import make_cfg
 
-    train_heads.run(make_cfg(tmp_path, model_dir, kind, **{"optim.max_steps": steps, **overrides}))
+    recipe.run(make_cfg(tmp_path, model_dir, kind, **{"optim.max_steps": steps, **overrides}))
     return tmp_path / "out" / "heads"
 
 
