@@ -8,13 +8,13 @@ chunks, takes one round). Each sequence has its own sampling
 parameters, random stream, drafter, limits and statistics; its tokens depend on its own draws only (at T = 0 its
 greedy tokens, at T > 0 the target's distribution: `runtime/accept.py`). Plain decoding is this loop with the
 base `Drafter` (empty trees): one forward per token. Every speedup headstart reports is measured against it;
-the engine, the server, the bench and distillation consume it.
+the engine, the server, the bench and distillation (`decode_all`) consume it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +99,16 @@ class SharedPrefix:
     ids: list[int]
     kv: list | None = None
     hidden: torch.Tensor | None = None  # (layers + 1, P, H): every hidden state
+
+    @classmethod
+    def common(cls, prompts: Sequence[list[int]]) -> SharedPrefix | None:
+        """The tokens every prompt starts with, short of each one's last token (a round feeds that); None if none."""
+        first = prompts[0]
+        n = min(map(len, prompts)) - 1
+        for ids in prompts:
+            while n and ids[:n] != first[:n]:
+                n -= 1
+        return cls(list(first[:n])) if n else None
 
 
 class Phases:
@@ -327,6 +337,21 @@ def _split_verify(phase: dict[str, float], verified) -> dict[str, float]:
     layers = phase["verify"] - verified.mask_s - verified.lm_head_s
     split = {**phase, "mask": verified.mask_s, "layers": layers, "lm_head": verified.lm_head_s}
     return {name: split[name] for name in PHASES}
+
+
+def decode_all(target: Target, requests: Iterable[Request], prefix: SharedPrefix | None = None) -> Iterator[Request]:
+    """Decode `requests` in one batch of `target.slots` sequences, the next one joining as soon as one leaves;
+    yield each as it finishes (offline work: distillation)."""
+    batch = Batch(target, prefix=prefix)
+    pending = iter(requests)
+    following = next(pending, None)
+    while following is not None or len(batch):
+        while following is not None and len(batch) < target.slots:
+            batch.add(following)
+            following = next(pending, None)
+        for r, _ in batch.round():
+            if r.done:
+                yield r
 
 
 def stream(

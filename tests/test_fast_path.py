@@ -67,6 +67,18 @@ def test_cache_grows_by_doubling_and_slots_write_at_their_own_rows():
     assert cache.nbytes() == 0
 
 
+def test_more_slots_do_not_widen_the_cache():
+    """Slots joining one by one, each 20 rows long: the buffer grows in slots, its rows stay what the longest
+    needs (a slot's growth once doubled the rows too: 64 short prompts took 6.6 GB on SmolLM2, then died)."""
+    cache = SlotCache(64)
+    for slot in range(64):
+        cache.feed(slot, [0], 20)
+        cache.update(torch.ones(1, 2, 20, 4), torch.ones(1, 2, 20, 4), 0)
+    k = cache.layers[0]._k
+    assert k.shape[0] == 64 and k.shape[2] <= 20 + 256  # rows: the need + MIN_CAPACITY, never doubled by slots
+    assert cache.nbytes() == 2 * k.numel() * k.element_size()
+
+
 def test_mask_buffer_equals_a_fresh_mask_every_round():
     """Rounds with growing, shrinking and re-shaped trees: the buffer's view is always the full mask."""
     trees = [

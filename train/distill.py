@@ -169,8 +169,8 @@ def distill(
 ) -> dict:
     """Answer every prompt not answered yet (in `out` or in `skip_ids`); returns throughput figures.
 
-    `backend` "batched": `batch_size` sequences decode together through `runtime.batched.decode_batched`, a
-    finished one's slot refilled at once, rows written as they finish; "hf": transformers' `generate` on
+    `backend` "batched": `batch_size` sequences decode together in the decode loop (`runtime.generate.decode_all`),
+    a finished one's slot refilled at once, rows written as they finish; "hf": transformers' `generate` on
     batches of `batch_size` left-padded prompts (the earlier path, kept to compare against). `prepack`: the
     batched backend's linear layers prepacked in place (`runtime/kernels.py`). The folder's manifest
     (`train/sources.py`) must agree with this target and these settings; the run is recorded there with `source`
@@ -199,17 +199,27 @@ def distill(
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
 
     if backend == "batched" and todo:
-        from headstart.runtime.batched import decode_batched
-        from headstart.runtime.kernels import prepack_linears
+        from headstart.runtime.generate import Request, SharedPrefix, decode_all
+        from headstart.runtime.sampling import SamplingParams
+        from headstart.runtime.target import Target
 
-        if prepack:
-            prepack_linears(model)  # in place, as `Target` does; the hf backend keeps the stock kernels
-
-        requests = [encoded[p.id] for p in todo]
-        seeds = [row_seed(seed, p.id) for p in todo]
-        for i, response in decode_batched(model, requests, max_new_tokens, eos, batch_size, temperature, seeds):
+        target = Target(model, fast=prepack, slots=min(batch_size, len(todo)))  # prepacks in place (fast)
+        sampling = SamplingParams(temperature=temperature)
+        requests = [
+            Request(
+                encoded[p.id],
+                sampling=sampling,
+                max_new_tokens=min(max_new_tokens, target.max_len - len(encoded[p.id])),
+                eos_ids=eos,
+                seed=row_seed(seed, p.id),
+                owner=p,
+            )
+            for p in todo
+        ]
+        for r in decode_all(target, requests, SharedPrefix.common([r.prompt_ids for r in requests])):
+            response = r.context[len(r.prompt_ids) :]
             written(
-                [{"id": todo[i].id, "category": todo[i].category, "prompt_ids": requests[i], "response_ids": response}]
+                [{"id": r.owner.id, "category": r.owner.category, "prompt_ids": r.prompt_ids, "response_ids": response}]
             )
     pad = pad_id(tokenizer, eos)
     for batch in _batches(todo, batch_size) if backend == "hf" else ():
