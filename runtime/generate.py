@@ -195,39 +195,64 @@ class Batch:
         return out
 
     def _prefill(self) -> None:
-        """Admit joiners in order while a slot is free and the cache fits them; prefill the first: whole when nothing
-        decodes, else `prefill_chunk` tokens this round, or a short prompt (<= WHOLE_PREFILL chunks) at once. A
-        joiner whose prompt is cached decodes."""
-        budget = self.prefill_chunk if self.decoding else None
+        """Admit joiners in order while a slot is free and the cache fits them. While nothing decodes, every joiner
+        admitted is prefilled whole, prompts of similar lengths in one forward; else the first joiner prefills
+        `prefill_chunk` tokens this round, or its whole prompt if short (<= WHOLE_PREFILL chunks). A joiner
+        whose prompt is cached decodes."""
+        if not self.decoding:
+            admitted: list[Request] = []
+            while self.joining and len(admitted) < self.target.slots and self._fits(self.joining[0], admitted):
+                r = self.joining.pop(0)
+                admitted.append(r if r.slot >= 0 else self._admit(r, len(admitted)))  # >= 0: part prefilled, slot 0
+            for group in _similar(admitted):
+                layers = _feature_layers(group)
+                chunks = [r.prompt_ids[r.cached : -1] for r in group]
+                found = self.target.extend_batch(chunks, group[0].slot, layers)
+                for r, chunk, hidden in zip(group, chunks, found, strict=True):
+                    r.features += [] if hidden is None else [_own(hidden, r.drafter, layers)]
+                    r.cached += len(chunk)
+            for r in admitted:
+                self._ready(r)
+            for r in admitted:
+                if r.max_new_tokens == 0:
+                    self.remove(r)
+            return
+        budget = self.prefill_chunk
         while self.joining and len(self.decoding) < self.target.slots and self._fits(self.joining[0]):
             r = self.joining[0]
             if r.slot < 0:
-                r.slot, r.t_start = len(self.decoding), time.perf_counter()
-                self._start_prefix(r)
+                self._admit(r, len(self.decoding))
                 r.whole = len(r.prompt_ids) - 1 - r.cached <= WHOLE_PREFILL * self.prefill_chunk
             todo = len(r.prompt_ids) - 1 - r.cached
-            whole = budget is None or (r.whole and budget == self.prefill_chunk)  # alone in this round's prefill
-            take = todo if whole else min(todo, budget)
+            take = todo if r.whole and budget == self.prefill_chunk else min(todo, budget)  # whole: alone this round
             if take:
                 hidden = self.target.extend(r.prompt_ids[r.cached : r.cached + take], r.drafter.feature_layers, r.slot)
                 r.features += [] if hidden is None else [hidden]
                 r.cached += take
             if r.cached < len(r.prompt_ids) - 1:
                 return  # the chunk budget is spent
-            self.joining.pop(0)
-            features = torch.cat(r.features) if r.features else None
-            r.features = []
-            r.drafter.start(r.prompt_ids, features, r.sampling, r.seed)
-            r.stats.prefill_s = time.perf_counter() - r.t_start
-            for name in PHASES:
-                r.stats.phase_s.setdefault(name, 0.0)
-            self.decoding.append(r)
+            self._ready(self.joining.pop(0))
             if r.max_new_tokens == 0:
                 self.remove(r)
-            if budget is not None:
-                budget -= take
-                if budget <= 0:
-                    return
+            budget -= take
+            if budget <= 0:
+                return
+
+    def _admit(self, r: Request, slot: int) -> Request:
+        """`r` takes `slot`, the shared prefix copied in."""
+        r.slot, r.t_start = slot, time.perf_counter()
+        self._start_prefix(r)
+        return r
+
+    def _ready(self, r: Request) -> None:
+        """`r`'s prompt is cached: its drafter starts, it decodes from the next round."""
+        features = torch.cat(r.features) if r.features else None
+        r.features = []
+        r.drafter.start(r.prompt_ids, features, r.sampling, r.seed)
+        r.stats.prefill_s = time.perf_counter() - r.t_start
+        for name in PHASES:
+            r.stats.phase_s.setdefault(name, 0.0)
+        self.decoding.append(r)
 
     def _start_prefix(self, r: Request) -> None:
         """Copy the shared prefix into `r`'s slot when its prompt starts with it (computed on first use)."""
@@ -246,12 +271,14 @@ class Batch:
         if layers:
             r.features.append(features(tuple(p.hidden[:, None]), layers)[0])
 
-    def _fits(self, r: Request) -> bool:
-        """The cache, grown for one more sequence of `r`'s length, stays within `kv_budget`."""
+    def _fits(self, r: Request, admitted: Sequence[Request] = ()) -> bool:
+        """The cache, grown for one more sequence of `r`'s length (beside the `admitted` ones), stays within
+        `kv_budget`."""
         if self.kv_budget is None or r.slot >= 0:
             return True
-        longest = max(len(x.prompt_ids) + x.max_new_tokens for x in [*self.decoding, r])
-        return kv_bytes(self.target, len(self.decoding) + 1, longest) <= self.kv_budget
+        held = [*self.decoding, *admitted, r]
+        longest = max(len(x.prompt_ids) + x.max_new_tokens for x in held)
+        return kv_bytes(self.target, len(held), longest) <= self.kv_budget
 
     def _compact(self) -> None:
         """Keep the decoding sequences in slots 0, 1, ... and a prefilling joiner right after them."""
@@ -272,6 +299,23 @@ def kv_bytes(target: Target, sequences: int, longest: int) -> int:
     """What the cache may grow to for `sequences` slots whose longest holds `longest` tokens: every slot is as wide
     as the widest, and a buffer grows by doubling (so up to twice what it holds)."""
     return sequences * 2 * longest * target.kv_bytes_per_token()
+
+
+PREFILL_TOKENS = 8192  # padded tokens a batched prefill forward feeds at most
+
+
+def _similar(joiners: list[Request]) -> Iterator[list[Request]]:
+    """Consecutive joiners (in slot order) in groups one prefill forward takes: similar lengths (padding to the
+    longest costs little), at most PREFILL_TOKENS padded tokens."""
+    group: list[Request] = []
+    for r in joiners:
+        todo = [len(x.prompt_ids) - 1 - x.cached for x in [*group, r]]
+        if group and (max(todo) * len(todo) > PREFILL_TOKENS or max(todo) > 1.25 * min(todo) + 8):
+            yield group
+            group = []
+        group.append(r)
+    if group:
+        yield group
 
 
 def check_request(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:

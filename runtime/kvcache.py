@@ -39,10 +39,8 @@ class SlotLayer(DynamicLayer):
             return
         have_s, have_c = (0, 0) if self._k is None else self._k.shape[0:3:2]
         slots = max(slots, min(2 * have_s, self.cache.slots)) if have_s else slots
-        if capacity > have_c:  # doubling: each row is copied O(1) times in all
-            capacity = max(capacity + MIN_CAPACITY, 2 * have_c)
-        else:  # more slots, no more rows
-            capacity = have_c
+        # rows: doubling (each row is copied O(1) times in all); more slots alone keep the rows there are
+        capacity = max(capacity + MIN_CAPACITY, 2 * have_c) if capacity > have_c else have_c
         k = like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
         v = like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
         if have_s:

@@ -117,6 +117,28 @@ class Target:
             return torch.stack(out.hidden_states)[:, 0]
         return features(out.hidden_states, layers)[0] if layers else None
 
+    @torch.inference_mode()
+    def extend_batch(
+        self, chunks: list[list[int]], first: int, layers: tuple[int, ...] = (-1,)
+    ) -> list[torch.Tensor | None]:
+        """`extend` for slots first, first + 1, ... in one forward, chunk i after what slot first + i holds: rows
+        right-padded to the longest chunk (padding is written past a slot's end, never counted, never seen by a
+        real row); each row sees its own slot's rows up to itself. Each chunk's features as `extend`'s."""
+        if len(chunks) == 1:
+            return [self.extend(chunks[0], layers, first)]
+        r, q = len(chunks), max(map(len, chunks))
+        pasts = self.lengths[first : first + r]
+        positions = torch.tensor(pasts)[:, None] + torch.arange(q)  # (r, q)
+        key_pos = torch.arange(max(pasts) + q).expand(r, -1)  # (r, k): slot row j holds position j
+        allowed = key_pos[:, None, :] <= positions[:, :, None]  # (r, q, k)
+        mask = self.layout.batch_masks(allowed, positions, key_pos, self.dtype, self.device)
+        ids = torch.tensor([(c or [0]) + [(c or [0])[-1]] * (q - max(len(c), 1)) for c in chunks], device=self.device)
+        out = self._forward(ids, mask, positions.to(self.device), layers, first, pasts, logits_to_keep=1)
+        for i, c in enumerate(chunks):
+            self.lengths[first + i] = pasts[i] + len(c)
+        hidden = features(out.hidden_states, layers) if layers else None  # (r, q, F)
+        return [None if hidden is None or not c else hidden[i, : len(c)] for i, c in enumerate(chunks)]
+
     def _padded(self, tree: DraftTree, past: int) -> DraftTree:
         """`tree` with extra children of the root (token 0) up to the next row bucket of the packed kernels, if
         any: the model scores them, nothing reads them, and `commit` drops them like any rejected node."""
@@ -189,8 +211,11 @@ class Target:
             for i, t in enumerate(trees)
         ]
 
-    def _forward(self, ids, mask, positions, layers: tuple[int, ...], first: int, starts: list[int]):
-        """The model's forward over `ids` (r, q) fed to slots first.. from rows `starts`."""
+    def _forward(
+        self, ids, mask, positions, layers: tuple[int, ...], first: int, starts: list[int], logits_to_keep: int = 0
+    ):
+        """The model's forward over `ids` (r, q) fed to slots first.. from rows `starts` (logits of the last
+        `logits_to_keep` rows, 0: all)."""
         self.cache.feed(first, list(starts), ids.shape[1])
         if self._lm_head_clock is not None:
             self._lm_head_clock[1] = 0.0
@@ -201,6 +226,7 @@ class Target:
             cache=self.cache,
             use_cache=True,
             output_hidden_states=bool(layers),
+            logits_to_keep=logits_to_keep,
         )
 
     def _lm_head_s(self) -> float:

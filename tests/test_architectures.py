@@ -19,10 +19,11 @@ import transformers as tf
 from transformers import AutoTokenizer
 
 from headstart.heads.checkpoint import build_heads
-from headstart.runtime.batched import decode_batched
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.generate import Request, decode_all
 from headstart.runtime.models import load_model
+from headstart.runtime.target import Target
 from helpers.exactness import TREES, SecondGuess, assert_greedy_identity, assert_trained_heads_speculate, fit_heads
 from helpers.models import tiny_tokenizer
 from helpers.training import greedy_rows
@@ -154,7 +155,8 @@ def test_batched_distillation_decodes_as_generate(family):
     # several sequences at once, each at its own positions, past the sliding window: the tokens of `generate`
     name, model, _, _ = family
     prompts = [*PROMPTS, [*PROMPTS[0][:3], 30, 31]]
-    got = dict(decode_batched(model, prompts, NEW_TOKENS, frozenset(), slots=2))
+    requests = [Request(ids, max_new_tokens=NEW_TOKENS, owner=i) for i, ids in enumerate(prompts)]
+    got = {r.owner: r.context[len(r.prompt_ids) :] for r in decode_all(Target(model, slots=2), requests)}
     for i, ids in enumerate(prompts):
         want = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
         assert got[i] == want.tolist(), f"{name}: prompt {i}"

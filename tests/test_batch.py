@@ -100,15 +100,20 @@ def test_each_sequence_decodes_its_own_greedy_tokens_beside_others(family):
 def test_a_shared_prefix_is_computed_once():
     model = _model()
     target, calls = Target(model, fast=False, slots=2), []
-    extend = target.extend
+    extend, extend_batch = target.extend, target.extend_batch
     target.extend = lambda ids, *a, **k: calls.append(len(ids)) or extend(ids, *a, **k)
+    target.extend_batch = lambda chunks, *a, **k: (
+        calls.append([len(c) for c in chunks]) or extend_batch(chunks, *a, **k)
+    )
     batch = Batch(target, prefix=SharedPrefix(PREFIX))
     requests = [Request(p, max_new_tokens=4) for p in PROMPTS[:2]]
-    _run(batch, requests, {0: requests[:1], 1: requests[1:]}, None)
-    again = Request(PROMPTS[2], max_new_tokens=4)
-    _run(batch, [again], {0: [again]}, None)  # after the batch emptied and its cache was freed
-    assert calls.count(len(PREFIX)) == 1
-    assert calls == [len(PREFIX), len(PROMPTS[0]) - 1 - len(PREFIX), len(PROMPTS[1]) - 1 - len(PREFIX)]
+    _run(batch, requests, {0: requests[:1], 1: requests[1:]}, None)  # both join the first round: one prefill
+    late = Request(PROMPTS[3], max_new_tokens=4)
+    _run(batch, [late], {0: [late]}, None)  # after the batch emptied and its cache was freed
+    joiner = Request(PROMPTS[4], max_new_tokens=4)
+    _run(batch, [late := Request(PROMPTS[0], max_new_tokens=8), joiner], {0: [late], 2: [joiner]}, None)
+    after = [len(p) - 1 - len(PREFIX) for p in PROMPTS]  # what each prompt prefills after the prefix
+    assert calls == [len(PREFIX), [after[0], after[1]], [after[3]], after[3], [after[0]], after[0], after[4]]
 
 
 def test_a_joiner_waits_for_the_kv_budget():

@@ -4,8 +4,8 @@ Rows go to JSONL shards (`shard-00000.jsonl`, ...) that `datasets.load_dataset("
 `{"id", "category", "prompt_ids", "response_ids"}`, written as they finish. Killed and restarted with the
 same command, it skips every id already written and cuts a half-written last line, so no row is duplicated
 or lost. The folder's manifest records what made its rows (`train/sources.py`). The prompts are answered by
-`runtime/batched.py` (continuous batching through the target's own forward, the prompts' shared prefix
-computed once); `backend="hf"` keeps transformers' batched `generate`, the path it replaced.
+the decode loop's offline driver (`runtime.generate.decode_all`: continuous batching, the prompts' shared
+prefix computed once); `backend="hf"` keeps transformers' batched `generate`, the path it replaced.
 
     headstart distill --prompts ../shared/data/train/prompts.jsonl --out runs/distill/smollm2 --permissive-only
 
