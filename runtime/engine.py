@@ -78,23 +78,25 @@ class Engine:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        drafter: Drafter | None = None,
+        drafter: Drafter | str | None = None,
         model_name: str | None = None,
         profile: str | None = None,
         adapter: str | None = None,
         prepack: bool | None = None,
+        **options: Any,
     ) -> None:
-        """`model_name`: what the model was loaded by (its shipped heads and profile go by it); `profile`: the
-        drafter profile of `make_drafter` (None: the model's own, `profiles.default_profile`); `adapter`: the
+        """`drafter`: the default drafter, or its spec (built here by `make_drafter` with `options`, sized for this
+        target); `model_name`: what the model was loaded by (its shipped heads and profile go by it); `profile`:
+        the drafter profile of `make_drafter` (None: the model's own, `profiles.default_profile`); `adapter`: the
         LoRA adapter directory applied to the model, if any; `prepack`: the target's prepacked kernels
         (`runtime/kernels.py`; None: on)."""
         self.target = Target(model, fast=prepack)
         choose_kernels(self.target, cache_dir() / "costs")  # float32 on a CPU: MKL's or oneDNN's, as measured here
         self.tokenizer = tokenizer
-        self.drafter = drafter or Drafter()
         self.model_name, self.profile, self.adapter = model_name, profile, adapter
         self._sizers: dict[tuple[str, str], LiveSizer] = {}  # (drafter, heads) -> its live tree size
         self.eos_ids = eos_ids(model, tokenizer)
+        self.drafter = self.make_drafter(drafter, **options) if isinstance(drafter, str) else drafter or Drafter()
 
     @classmethod
     def load(
@@ -119,16 +121,9 @@ class Engine:
         if adapter is None:  # the target changes: base + the adapter (`Engine.adapter` says so; the CLI prints it)
             adapter = heads_adapter(drafter, model, options.get("heads"))
         hf_model, tokenizer = load_model(model, dtype, device, adapter, merge_adapter)
-        engine = cls(
-            hf_model,
-            tokenizer,
-            model_name=model,
-            profile=profile,
-            adapter=adapter,
-            prepack=prepack,
+        return cls(
+            hf_model, tokenizer, drafter, model_name=model, profile=profile, adapter=adapter, prepack=prepack, **options
         )
-        engine.drafter = engine.make_drafter(drafter, **options)
-        return engine
 
     @property
     def adapter_sha(self) -> str | None:

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from headstart.cli import main
 from helpers.server import NAME, LiveServer, leave_after, tiny_engine, wait_until
@@ -225,11 +226,34 @@ def test_soak_mix_runs_and_counts_every_kind(tiny_model_dir, tmp_path, capsys):
     """`headstart loadtest --soak` for a few seconds against the tiny model: no 5xx, every kind counted."""
     live = LiveServer(tiny_engine(tiny_model_dir, "lookup"))
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"id": "1", "turns": ["the cat sat on the mat"]}) + "\n")
+    texts = ["the cat sat on the mat", "a dog ran to the cat", "the mat"]
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [t]}) + "\n" for i, t in enumerate(texts)))
+    args = ["--soak", "8", "--clients", "4", "--prompts", str(prompts), "--check-answers", str(tiny_model_dir)]
     try:
-        assert main(["loadtest", "--url", live.url, "--soak", "6", "--clients", "4", "--prompts", str(prompts)]) == 0
+        assert main(["loadtest", "--url", live.url, *args]) == 0
     finally:
         live.close()
     result = json.loads(capsys.readouterr().out)
     assert result["status_5xx"] == 0 and result["served_200"] > 0 and result["rss_end_mb"] > 0
     assert not [k for k in result["by_kind_and_status"] if "client error" in k]
+    assert result["answers"]["checked"] > 0 and result["answers"]["wrong"] == []  # batched, each its own
+
+
+def test_the_answer_check_finds_an_answer_given_to_the_wrong_prompt(tiny_model_dir):
+    from headstart.runtime.models import load_model
+    from headstart.runtime.server.answers import check_answers
+    from headstart.runtime.tokens import chat_ids
+
+    model, tokenizer = load_model(str(tiny_model_dir))
+    answers = {}
+    for text in ("the cat sat on the mat", "a dog ran to the cat"):
+        ids = chat_ids(tokenizer, [{"role": "user", "content": text}])
+        ids_t = torch.tensor([ids])  # (token 0 is in the template: an explicit mask, or generate masks it as padding)
+        out = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=12, do_sample=False)
+        answers[text] = out[0, len(ids) :].tolist()
+    (a, ids_a), (b, ids_b) = answers.items()
+    assert ids_a != ids_b
+    right = check_answers(model, tokenizer, [{"prompt": a, "token_ids": ids_a}, {"prompt": b, "token_ids": ids_b}])
+    assert right == {"checked": 2, "tokens": len(ids_a) + len(ids_b), "wrong": []}
+    swapped = check_answers(model, tokenizer, [{"prompt": a, "token_ids": ids_b}])
+    assert len(swapped["wrong"]) == 1 and swapped["wrong"][0]["gap"] > 1e-4

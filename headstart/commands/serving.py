@@ -37,7 +37,7 @@ def add_parsers(sub) -> None:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
     sv.add_argument("--time-limit", type=float, default=None, help="seconds per request (default 300)")
-    sv.add_argument("--max-batch", type=int, default=None, help="requests decoded at once (default 16)")
+    sv.add_argument("--max-batch", type=int, default=None, help="requests decoded at once (default 32)")
     sv.add_argument(
         "--prefill-chunk", type=int, default=None, help="prompt tokens prefilled a round while others decode"
     )
@@ -73,6 +73,15 @@ def add_parsers(sub) -> None:
         metavar="SECONDS",
         help="instead: a soak of valid, malformed, disconnecting and oversized requests from --clients "
         "clients (one level) for SECONDS; counts by kind and status, /health p99, server RSS",
+    )
+    lt.add_argument(
+        "--check-answers",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="MODEL",
+        help="with --soak: teacher-force every greedy chat answer through MODEL (default: the served model's name; "
+        "loaded here in float32, so serve float32 too): each token must be its argmax or tie with it; exit 1 if not",
     )
     lt.set_defaults(run=cmd_loadtest)
 
@@ -197,12 +206,23 @@ def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
     prompts = [p.text for p in load_prompts(common.bench_prompts(args.prompts))]
     api_key = common.given_api_key(args)
     health = server_info(args.url, api_key)
+    if args.check_answers is not None and args.soak is None:
+        raise common.UserError("--check-answers checks a soak's answers: give --soak SECONDS too")
     if args.soak is not None:
-        result = loadtest.soak(args.url, health["model"], prompts, args.soak, max(levels), api_key=api_key)
+        answers = [] if args.check_answers is not None else None
+        result = loadtest.soak(
+            args.url, health["model"], prompts, args.soak, max(levels), api_key=api_key, answers=answers
+        )
+        if answers is not None:
+            from headstart.runtime.models import load_model
+            from headstart.runtime.server.answers import check_answers
+
+            model, tokenizer = load_model(args.check_answers or health["model"], dtype="float32")
+            result["answers"] = check_answers(model, tokenizer, answers)
         print(json.dumps(result, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps({"server": health, "soak": result}, indent=2))
-        return 0
+        return 1 if result["status_5xx"] or (answers is not None and result["answers"]["wrong"]) else 0
     rows = [
         loadtest.run_level(args.url, health["model"], prompts, c, args.requests_per_client, args.max_tokens, api_key)
         for c in levels

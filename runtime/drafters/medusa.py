@@ -34,10 +34,12 @@ class MedusaDrafter(SamplingDrafter):
         shape: list[tuple[int, ...]],
         draft_vocab: int | None = None,
         draft_temperature: float = 1.0,
+        name: str = "medusa",
     ) -> None:
         """`shape`: the tree's paths of ranks, parents first; `draft_vocab` reads out only that many of the
         heads' most frequent draft tokens; `draft_temperature`: the sampled tree's, as a factor on the decode's
-        (`SamplingDrafter`)."""
+        (`SamplingDrafter`); `name`: the heads' kind (medusa, medusa2)."""
+        self.name = name
         if not shape:
             raise ValueError("empty Medusa tree shape")
         depth = max(map(len, shape))

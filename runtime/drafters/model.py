@@ -105,7 +105,10 @@ class ModelDrafter(SamplingDrafter):
         layers: list[int] | None = None,
     ) -> None:
         """top_k = 1: a chain of `depth`; > 1: a tree of at most `budget` nodes. `layers`: the original
-        indices of a layer-skip view's layers (`layerskip_model`), None for a real model."""
+        indices of a layer-skip view's layers (`layerskip_model`: the drafter is "layerskip"), None for a real
+        model."""
+        if layers is not None:
+            self.name = "layerskip"
         o = options or TreeOptions()
         super().__init__(model.device)
         self.model, self.depth, self.top_k, self.budget, self.layers = model, o.depth, o.top_k, o.budget, layers
@@ -116,9 +119,7 @@ class ModelDrafter(SamplingDrafter):
     @classmethod
     def layerskip(cls, target: nn.Module, layers: list[int], options: TreeOptions | None = None) -> ModelDrafter:
         """Draft with the target's own decoder `layers` (increasing, from layer 0), norm and lm_head."""
-        drafter = cls(layerskip_model(target, layers), options, layers=layers)
-        drafter.name = "layerskip"
-        return drafter
+        return cls(layerskip_model(target, layers), options, layers=layers)
 
     def _reset(self) -> None:
         self.cache = LayerSubsetCache(self.layers) if self.layers is not None else DynamicCache()

