@@ -59,6 +59,7 @@ class HeadKind:
     feature_layers: Callable[[nn.Module], tuple[int, ...]] = _final
     eval_depth: Callable[[nn.Module, Any], int] = lambda head, cfg: cfg.num_heads
     static_tree: bool = False  # its tree is shaped from measured per-rank accuracies (Medusa) when not sampled
+    sized: bool = True  # its drafter's tree budget is chosen by the cost curve (runtime/engine.py `tree_choice`)
     # "module:Class" of a hook that trains the target beside the heads (the trainer builds it; train/trainer.py)
     trains_target: str | None = None
     export_refusal: str | None = "only EAGLE-3 heads export: vLLM and SGLang load those"  # None: it is one

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.checkpoint import CheckpointConfig
+from headstart.heads.kinds import KINDS
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, choose_kernels, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
@@ -29,8 +30,6 @@ from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from headstart.runtime.text import TextDecoder
 from headstart.runtime.tokens import chat_ids, eos_ids
-
-CALIBRATED = ("medusa", "medusa2", "eagle", "eagle3")  # drafters whose tree budget `Engine.tree_choice` sizes
 
 
 @dataclass
@@ -160,7 +159,8 @@ class Engine:
     def _sizer(self, spec: str, **options: Any) -> LiveSizer | None:
         """The live tree size of `spec` (`tree_choice`), measured and chosen on first use."""
         base = parse_spec(spec).base
-        if self.profile is not None or options.get("budget") is not None or base not in CALIBRATED:
+        sized = {kind.drafter for kind in KINDS.values() if kind.sized}  # drafters whose tree budget is sized here
+        if self.profile is not None or options.get("budget") is not None or base not in sized:
             return None
         heads = heads_dir(base, options.get("heads"), self.model_name)
         config = CheckpointConfig.find(heads)

@@ -364,6 +364,14 @@ def test_bench_compares_heads_side_by_side(tmp_path, tiny_model_dir, capsys):
     assert "no method in --methods runs heads of its kind" in capsys.readouterr().err
     assert cli([*args, "--heads", f"{heads_dir}"]) == 2
     assert "--heads takes LABEL=DIR" in capsys.readouterr().err
+    # KIND=DIR: those heads instead of the shipped ones (none ship for the tiny model), the method keeps its name
+    assert cli([*args, "--heads", f"eagle={published}"]) == 0
+    rows = [line.split("|")[2].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| overall")]
+    assert rows == ["plain", "eagle", "lookup"]
+    assert cli([*args, "--heads", f"medusa={heads_dir}"]) == 2  # a folder of another kind
+    assert f"--heads medusa={heads_dir}: that folder holds eagle heads, not medusa" in capsys.readouterr().err
+    assert cli([*args, "--eagle-heads", str(heads_dir)]) == 2  # the old per-kind flags, in one line
+    assert capsys.readouterr().err.strip().endswith("--eagle-heads is gone: use --heads eagle=DIR")
 
 
 def test_shipped_heads_run_beside_the_labelled_ones():

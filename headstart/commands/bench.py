@@ -23,22 +23,17 @@ def add_parsers(sub) -> None:
         help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
         f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH",
     )
-    b.add_argument("--medusa-heads", default=None, help="Medusa heads directory (default: shipped)")
-    b.add_argument("--eagle-heads", default=None, help="EAGLE head directory (default: shipped)")
-    b.add_argument("--eagle3-heads", default=None, help="EAGLE-3 head directory (default: shipped)")
-    b.add_argument(
-        "--medusa2-heads",
-        default=None,
-        help="Medusa-2 heads directory (default: shipped); run on --model + their adapter",
-    )
+    for kind in OLD_HEADS_FLAGS:  # refused in one line naming the new form (cmd_bench)
+        b.add_argument(f"--{kind}-heads", default=None, help=argparse.SUPPRESS)
     b.add_argument(
         "--heads",
         action="append",
         default=None,
         metavar="LABEL=DIR",
-        help="compare heads side by side (repeatable): each method of their kind runs as METHOD@LABEL, "
-        "beside METHOD@shipped; DIR: headstart heads or a published layout (Medusa, EAGLE, "
-        "EAGLE-3)",
+        help="heads to run (repeatable). KIND=DIR (a head kind: medusa, eagle, eagle3 ...): those heads instead "
+        "of the shipped ones, the methods keep their names; any other LABEL=DIR: compared side by side, each "
+        "method of their kind as METHOD@LABEL beside METHOD@shipped. DIR: headstart heads or a published "
+        "layout (Medusa, EAGLE, EAGLE-3)",
     )
     common.add_tree_args(b)
     common.add_profile_arg(b)
@@ -80,17 +75,33 @@ def add_parsers(sub) -> None:
     ck.set_defaults(run=cmd_check)
 
 
-def _labelled_heads(entries: list[str]) -> dict[str, str]:
-    """--heads LABEL=DIR entries as {label: directory}."""
-    labelled = {}
+OLD_HEADS_FLAGS = ("medusa", "eagle", "eagle3", "medusa2")  # --KIND-heads DIR, now --heads KIND=DIR
+
+
+def _given_heads(entries: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """--heads entries as ({drafter: directory} replacing the shipped heads of a kind, {label: directory} compared
+    beside them). A KIND=DIR folder must hold heads of that kind."""
+    from headstart.heads.kinds import KINDS
+    from headstart.heads.published import heads_kind
+
+    kinds, labelled = {}, {}
     for entry in entries:
         label, eq, directory = entry.partition("=")
         if not eq or not label or not directory or any(c in label for c in "@,= "):
             raise common.UserError(f"--heads takes LABEL=DIR (a label without @ , = or spaces), got {entry!r}")
-        if label in labelled:
-            raise common.UserError(f"--heads: the label {label} is given twice")
-        labelled[label] = directory
-    return labelled
+        if label in kinds or label in labelled:
+            raise common.UserError(f"--heads: {label} is given twice")
+        if label in KINDS:
+            try:
+                found = heads_kind(directory)
+            except (OSError, ValueError) as e:
+                raise common.UserError(f"--heads {label}={directory}: {e}") from e
+            if found != label:
+                raise common.UserError(f"--heads {label}={directory}: that folder holds {found} heads, not {label}")
+            kinds[KINDS[label].drafter] = directory  # the methods of the drafter that decodes this kind
+        else:
+            labelled[label] = directory
+    return kinds, labelled
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
@@ -117,13 +128,10 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     options = common.flag_values(args, [k for k in common.FLAGS if k not in ("heads", "budget")])
-    options["heads"] = {
-        "medusa": args.medusa_heads,
-        "eagle": args.eagle_heads,
-        "eagle3": args.eagle3_heads,
-        "medusa2": args.medusa2_heads,
-    }
-    labelled = _labelled_heads(args.heads or [])
+    for kind in OLD_HEADS_FLAGS:
+        if getattr(args, f"{kind}_heads") is not None:
+            raise common.UserError(f"--{kind}-heads is gone: use --heads {kind}=DIR")
+    options["heads"], labelled = _given_heads(args.heads or [])
     methods = bench.label_methods(methods, labelled, args.model)
     unused = sorted(set(labelled) - {m.partition(bench.LABEL_SEP)[2] for m in methods})
     if unused:

@@ -53,19 +53,20 @@ class EagleDrafter(SamplingDrafter):
         lm_head: nn.Module,
         options: EagleOptions | None = None,
         rank_accuracy: list[list[float]] | None = None,
+        name: str = "eagle",
     ) -> None:
-        """`rank_accuracy` (the head's measured per-depth, per-rank accuracies) gives the static tree of
-        `options.sampled_budget` nodes sampled at temperature > 0; without it the top-k dynamic tree is used
-        at every temperature. `options.draft_vocab` reads out only that many of the head's most frequent
-        draft tokens. The dynamic tree grows no deeper once its likeliest frontier path is less likely
-        than `options.min_prob`. `options.draft_temperature`: the sampled tree's draft temperature, as a factor
-        on the decode's (`SamplingDrafter`)."""
+        """`name`: the head's kind (eagle, eagle3). `rank_accuracy` (the head's measured per-depth, per-rank
+        accuracies) gives the static tree of `options.sampled_budget` nodes sampled at temperature > 0; without
+        it the top-k dynamic tree is used at every temperature. `options.draft_vocab` reads out only that many of
+        the head's most frequent draft tokens. The dynamic tree grows no deeper once its likeliest frontier path
+        is less likely than `options.min_prob`. `options.draft_temperature`: the sampled tree's draft
+        temperature, as a factor on the decode's (`SamplingDrafter`)."""
         o = options or EagleOptions()
         super().__init__(lm_head.weight.device, o.draft_temperature)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head, o.draft_vocab)
         prepack_like_target(lm_head, head, self.readout)  # packed kernels when the target's are
         self.feature_layers = head.feature_layers
-        self.name = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
+        self.name = name
         self.vocab_size = lm_head.weight.shape[0]
         self.depth, self.top_k, self.budget, self.min_prob = o.depth, o.top_k, o.budget, o.min_prob
         self.shape = choose_tree_shape(rank_accuracy, o.sampled_budget) if rank_accuracy else None

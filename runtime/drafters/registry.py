@@ -142,7 +142,7 @@ def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:
     module, config = _trained(kind, options, ctx)
     embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
     options = dataclasses.replace(options, draft_vocab=_readout_limit(options, config))
-    return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.measured_accuracy)
+    return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.measured_accuracy, name=kind)
 
 
 def _model(options: ModelOptions, ctx: Context) -> Drafter:
