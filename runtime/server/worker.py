@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from headstart.runtime.drafters.base import Drafter
@@ -165,6 +167,8 @@ class Worker:
                 try:
                     rounds = self.batch.round()
                 except Exception as e:  # the round failed: every job in it is told, the batch starts afresh
+                    print(f"headstart: a decode round failed ({len(self.running)} requests):", file=sys.stderr)
+                    traceback.print_exc()  # the server's log keeps what the clients' 500s only name
                     for job in list(self.running):
                         self._finish(job, "error", f"generation failed: {type(e).__name__}: {e}")
                     continue
