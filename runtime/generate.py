@@ -209,7 +209,8 @@ class Batch:
                 chunks = [r.prompt_ids[r.cached : -1] for r in group]
                 found = self.target.extend_batch(chunks, group[0].slot, layers)
                 for r, chunk, hidden in zip(group, chunks, found, strict=True):
-                    r.features += [] if hidden is None else [_own(hidden, r.drafter, layers)]
+                    own = _own(hidden, r.drafter, layers)  # None for a drafter that reads no features
+                    r.features += [] if own is None else [own]
                     r.cached += len(chunk)
             for r in admitted:
                 self._ready(r)

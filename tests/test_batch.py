@@ -198,3 +198,28 @@ def test_float32_fast_path_beside_others_differs_only_at_a_tie():
         with torch.no_grad():
             logits = model(torch.tensor([r.prompt_ids + want[:k]])).logits[0, -1]
         assert abs(float(logits[ours[k]] - logits[want[k]])) < 1e-4, f"prompt {r.prompt_ids}: no tie at token {k}"
+
+
+class FeatureReader(Drafter):
+    """Drafts nothing; keeps the prompt features `start` gets (the final hidden state of every prompt token)."""
+
+    feature_layers = (-1,)
+
+    def start(self, prompt_ids, prompt_hidden, sampling=None, seed=None) -> None:
+        self.prompt_hidden = prompt_hidden
+
+
+def test_joiners_with_and_without_feature_drafters_prefill_together():
+    """An idle batch prefills its joiners in one forward; a plain request beside one whose drafter reads features
+    gets none, the other gets exactly its own prompt's (a plain one once got a None it could not join: a 600 s
+    soak's 500s)."""
+    model = _model()
+    target = Target(model, fast=False, slots=2)
+    batch = Batch(target)
+    reader = FeatureReader()
+    plain, fed = Request(PROMPTS[1], max_new_tokens=4), Request(PROMPTS[0], reader, max_new_tokens=4)
+    batch.add(plain)
+    batch.add(fed)
+    batch.round()  # both prefilled in one forward, then a round
+    alone = model(torch.tensor([PROMPTS[0][:-1]]), output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(reader.prompt_hidden, alone)
