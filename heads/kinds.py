@@ -72,6 +72,11 @@ def _medusa_options(cfg) -> dict:
     return {"draft_vocab": cfg.draft_vocab, "num_heads": cfg.num_heads, "own_lm_head": cfg.own_lm_head}
 
 
+def _heads_built(head: nn.Module, cfg) -> int:
+    """Medusa's evaluation depth: one per head it has."""
+    return head.num_heads
+
+
 def _medusa_build(model: nn.Module, **options) -> MedusaHeads:
     heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, **options)
     heads.init_lm_heads(model.get_output_embeddings())
@@ -151,7 +156,7 @@ MEDUSA = HeadKind(
     _medusa_depths,
     _medusa_options,
     static_tree=True,
-    eval_depth=lambda head, cfg: head.num_heads,
+    eval_depth=_heads_built,
     export_refusal="medusa heads cannot be exported: vLLM and SGLang load EAGLE-3 heads (vLLM 0.33 removed Medusa; "
     "SGLang never had it)",
 )
@@ -163,7 +168,7 @@ MEDUSA2 = HeadKind(  # Medusa heads + the LoRA on the target they trained with (
     _medusa_depths,
     _medusa_options,
     static_tree=True,
-    eval_depth=lambda head, cfg: head.num_heads,
+    eval_depth=_heads_built,
     trains_target="headstart.train.medusa2:LoraTraining",
     export_refusal="medusa2 heads cannot be exported: vLLM and SGLang load EAGLE-3 heads",
 )

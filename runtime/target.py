@@ -103,15 +103,9 @@ class Target:
         if not token_ids:
             return None
         past = self.lengths[slot]
-        self.cache.feed(slot, [past], len(token_ids))
-        out = self.model(
-            input_ids=torch.tensor([token_ids], device=self.device),
-            position_ids=torch.arange(past, past + len(token_ids), device=self.device)[None],
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=layers is None or bool(layers),
-            logits_to_keep=1,
-        )
+        ids = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(past, past + len(token_ids), device=self.device)[None]
+        out = self._forward(ids, None, positions, layers, slot, [past], logits_to_keep=1)  # causal: the model's mask
         self.lengths[slot] = past + len(token_ids)
         if layers is None:
             return torch.stack(out.hidden_states)[:, 0]
@@ -212,10 +206,10 @@ class Target:
         ]
 
     def _forward(
-        self, ids, mask, positions, layers: tuple[int, ...], first: int, starts: list[int], logits_to_keep: int = 0
+        self, ids, mask, positions, layers: tuple[int, ...] | None, first: int, starts: list[int], logits_to_keep=0
     ):
         """The model's forward over `ids` (r, q) fed to slots first.. from rows `starts` (logits of the last
-        `logits_to_keep` rows, 0: all)."""
+        `logits_to_keep` rows, 0: all; hidden states for `layers`, None: all)."""
         self.cache.feed(first, list(starts), ids.shape[1])
         if self._lm_head_clock is not None:
             self._lm_head_clock[1] = 0.0
@@ -225,7 +219,7 @@ class Target:
             position_ids=positions,
             cache=self.cache,
             use_cache=True,
-            output_hidden_states=bool(layers),
+            output_hidden_states=layers is None or bool(layers),
             logits_to_keep=logits_to_keep,
         )
 
