@@ -14,6 +14,12 @@ The contract of an entry's functions, `tools` being `Tools` (what the trainer or
     eval_depth(head, cfg) -> int                the drafting depths evaluation scores
     loss(module, head, hidden, batch, tools, step) -> scalar            training (`module`: head as wrapped)
     depth_logits(head, hidden, ids, depths, tools) -> [(B, T', N)]      depth k at t: the token k + 1 ahead
+    fit(weights, model_config, options) -> options     published heads' tensors checked against the target (raises
+                                                      `Misfit`); the options completed from them (optional)
+
+A kind's drafter is a drafter registered by name (runtime/drafters/registry.py) or, for a kind that brings its
+own, "module:attr" of that drafter's registry `Entry`: then the drafter is called by the kind's name. A kind's own
+training options are a dataclass (`options`) read from a training config's `heads.options` mapping.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torch import nn
 
 from headstart.heads import losses
 from headstart.heads.eagle import EagleHead
-from headstart.heads.eagle3 import PLAIN_VARIANT, VARIANT_FLAGS, Eagle3Head
+from headstart.heads.eagle3 import PLAIN_VARIANT, VARIANT_FLAGS, Eagle3Head, engine_feature_layers
 from headstart.heads.medusa import MedusaHeads
 
 
@@ -46,11 +52,20 @@ def _final(head: nn.Module) -> tuple[int, ...]:
     return (-1,)
 
 
+class Misfit(ValueError):
+    """Published heads whose tensors do not fit the target: `what` differs, `theirs` in the heads, `ours` in the
+    target (or one message of its own)."""
+
+    def __init__(self, what: str, theirs: Any = None, ours: Any = None) -> None:
+        super().__init__(what)
+        self.what, self.theirs, self.ours = what, theirs, ours
+
+
 @dataclass(frozen=True)
 class HeadKind:
     name: str
     build: Callable[..., nn.Module]
-    drafter: str  # the drafter (runtime/drafters/registry.py) that decodes with heads of this kind
+    drafter: str  # the drafter that decodes with heads of this kind: a registered name, or "module:attr" (its own)
     loss: Callable[..., torch.Tensor] | None  # None: its `trains_target` hook's loss
     depth_logits: Callable[..., list[torch.Tensor]]
     training_options: Callable[[Any], dict] = lambda cfg: {"draft_vocab": cfg.draft_vocab}
@@ -63,6 +78,18 @@ class HeadKind:
     # "module:Class" of a hook that trains the target beside the heads (the trainer builds it; train/trainer.py)
     trains_target: str | None = None
     export_refusal: str | None = "only EAGLE-3 heads export: vLLM and SGLang load those"  # None: it is one
+    fit: Callable[[dict, Any, dict], dict] | None = None  # published heads' shape checks (None: none are read)
+    options: type | None = None  # a dataclass of its own training options (`heads.options`); None: it takes none
+
+    @property
+    def own_drafter(self) -> str | None:
+        """ "module:attr" of the drafter `Entry` this kind brings (called by the kind's name), or None."""
+        return self.drafter if ":" in self.drafter else None
+
+    @property
+    def drafter_name(self) -> str:
+        """The name its heads are decoded by: `--drafter NAME`."""
+        return self.name if self.own_drafter else self.drafter
 
 
 # ---- the built-in kinds -------------------------------------------------------------------------------------
@@ -70,6 +97,12 @@ class HeadKind:
 
 def _medusa_options(cfg) -> dict:
     return {"draft_vocab": cfg.draft_vocab, "num_heads": cfg.num_heads, "own_lm_head": cfg.own_lm_head}
+
+
+def _medusa_fit(w: dict, cfg, options: dict) -> dict:
+    if w["lm_heads.0.weight"].shape[1] != cfg.hidden_size:
+        raise Misfit("hidden size", w["lm_heads.0.weight"].shape[1], cfg.hidden_size)
+    return options
 
 
 def _heads_built(head: nn.Module, cfg) -> int:
@@ -120,6 +153,31 @@ def _eagle_depths(head, hidden, ids, depths: int, tools: Tools) -> list[torch.Te
     return [tools.readout(out[:, k - 1 :]) for k, out in enumerate(outs, 1)]  # re-indexed by root
 
 
+def _eagle_fit(w: dict, cfg, options: dict) -> dict:
+    if tuple(w["fc.weight"].shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
+        raise Misfit("hidden size", w["fc.weight"].shape[0], cfg.hidden_size)
+    return options
+
+
+def _eagle3_fit(w: dict, cfg, options: dict) -> dict:
+    """fc fuses k >= 2 of the target's hidden states; which ones its config says (else k = 3: the default three)."""
+    hidden, n_layers, fc = cfg.hidden_size, cfg.num_hidden_layers, tuple(w["fc.weight"].shape)
+    fused = fc[1] // hidden if fc[0] == hidden else 0
+    if fused < 2 or fc != (hidden, fused * hidden):
+        raise Misfit("fc of shape", fc, f"(hidden {hidden}, k x hidden)")
+    if "layers" not in options and fused != 3:
+        raise Misfit(
+            f"they fuse {fused} target layers and their config does not say which "
+            "(eagle_aux_hidden_state_layer_ids): refused rather than guessed"
+        )
+    layers = options.get("layers") or list(engine_feature_layers(n_layers))
+    if not all(1 <= k <= n_layers for k in layers) or len(layers) != fused:
+        raise Misfit(f"{fused} fused layers", layers, f"{n_layers} layers")
+    if "draft_vocab" in w and int(w["draft_vocab"].max()) >= cfg.vocab_size:
+        raise Misfit("draft token id", int(w["draft_vocab"].max()), f"a vocabulary of {cfg.vocab_size}")
+    return {**options, "layers": layers}
+
+
 def _eagle3_loss(module, head, hidden, batch, tools: Tools, step: int) -> torch.Tensor:
     return losses.eagle3_loss(
         module,
@@ -157,6 +215,7 @@ MEDUSA = HeadKind(
     _medusa_options,
     static_tree=True,
     eval_depth=_heads_built,
+    fit=_medusa_fit,
     export_refusal="medusa heads cannot be exported: vLLM and SGLang load EAGLE-3 heads (vLLM 0.33 removed Medusa; "
     "SGLang never had it)",
 )
@@ -178,6 +237,7 @@ EAGLE = HeadKind(
     "eagle",
     _eagle_loss,
     _eagle_depths,
+    fit=_eagle_fit,
     export_refusal="EAGLE-1 heads cannot be exported faithfully: their fc has a bias (vLLM drops it) and they "
     "predict post-norm features; train an eagle3 head (heads.kind: eagle3)",
 )
@@ -191,6 +251,7 @@ EAGLE3 = HeadKind(
     saved_options=lambda head: {"layers": list(head.feature_layers), **head.variant(changed_only=True)},
     prepare=lambda head, model: head.init_lm_head(model.get_output_embeddings()),
     feature_layers=lambda head: (*head.feature_layers, -1),  # and the final feature, for p
+    fit=_eagle3_fit,
     export_refusal=None,
 )
 KINDS: dict[str, HeadKind] = {kind.name: kind for kind in (MEDUSA, MEDUSA2, EAGLE, EAGLE3)}

@@ -40,8 +40,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from headstart.heads.checkpoint import CheckpointConfig, build_heads, save_heads, target_fingerprint
-from headstart.heads.eagle3 import LAYER_OVERRIDES, VARIANT_FLAGS, draft_config, engine_feature_layers
+from headstart.heads.eagle3 import LAYER_OVERRIDES, VARIANT_FLAGS, draft_config
 from headstart.heads.export import write_new_dir
+from headstart.heads.kinds import Misfit, get_kind
 
 LAYOUTS = ("medusa", "eagle", "eagle3-authors", "eagle3-specforge", "eagle3-speculators")
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -437,7 +438,6 @@ def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "
     not fit it (hidden size, vocabulary, fused layers, embedding shape); warned about when its config names
     another base model or its stored embedding differs from the target's."""
     cfg, name = model.config, f"the heads in {where}" if where else "the heads"
-    hidden, vocab, n_layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     w = published.weights
 
     def refuse(what: str, theirs, ours) -> None:
@@ -446,31 +446,18 @@ def adopt(published: Published, model: nn.Module, tokenizer=None, where: str = "
             f"{ours} in {type(model).__name__}"
         )
 
-    if published.vocab_size is not None and published.vocab_size != vocab:
-        refuse("vocabulary", published.vocab_size, vocab)
-    options = dict(published.options)
-    if published.kind == "medusa" and w["lm_heads.0.weight"].shape[1] != hidden:
-        refuse("hidden size", w["lm_heads.0.weight"].shape[1], hidden)
-    if published.kind == "eagle" and tuple(w["fc.weight"].shape) != (hidden, 2 * hidden):
-        refuse("hidden size", w["fc.weight"].shape[0], hidden)
-    if published.kind == "eagle3":
-        fused = w["fc.weight"].shape[1] // hidden if w["fc.weight"].shape[0] == hidden else 0
-        if fused < 2 or tuple(w["fc.weight"].shape) != (hidden, fused * hidden):
-            refuse("fc of shape", tuple(w["fc.weight"].shape), f"(hidden {hidden}, k x hidden)")
-        if "layers" not in options and fused != 3:
-            raise PublishedHeadsError(
-                f"{name} fuse {fused} target layers and their config does not say which "
-                "(eagle_aux_hidden_state_layer_ids): refused rather than guessed"
-            )
-        layers = options.get("layers") or list(engine_feature_layers(n_layers))
-        if not all(1 <= k <= n_layers for k in layers) or len(layers) != fused:
-            refuse(f"{fused} fused layers", layers, f"{n_layers} layers")
-        options["layers"] = layers
-        overrides = _layer_overrides(published.layer, cfg)
-        if overrides:
-            options["layer"] = overrides
-        if "draft_vocab" in w and int(w["draft_vocab"].max()) >= vocab:
-            refuse("draft token id", int(w["draft_vocab"].max()), f"a vocabulary of {vocab}")
+    if published.vocab_size is not None and published.vocab_size != cfg.vocab_size:
+        refuse("vocabulary", published.vocab_size, cfg.vocab_size)
+    kind = get_kind(published.kind)
+    try:  # the kind's own shape checks (heads/kinds.py), which complete the options (EAGLE-3's fused layers)
+        options = kind.fit(w, cfg, dict(published.options))
+    except Misfit as e:
+        if e.theirs is None:
+            raise PublishedHeadsError(f"{name} do not fit the target: {e.what}") from None
+        refuse(e.what, e.theirs, e.ours)
+    overrides = _layer_overrides(published.layer, cfg) if published.layer else {}  # EAGLE-3's draft layer
+    if overrides:
+        options["layer"] = overrides
     if published.embed is not None:
         ours = model.get_input_embeddings().weight.detach()
         if published.embed.shape != ours.shape:

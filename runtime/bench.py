@@ -150,7 +150,7 @@ def label_methods(methods: list[str], labelled: dict[str, str], model_name: str 
     from headstart.heads.published import heads_kind
     from headstart.runtime.drafters.registry import heads_dir
 
-    drafters = {label: get_kind(heads_kind(directory)).drafter for label, directory in labelled.items()}
+    drafters = {label: get_kind(heads_kind(directory)).drafter_name for label, directory in labelled.items()}
     out = []
     for m in methods:
         base = parse_spec(method_spec(m)).base if m not in HF_METHODS else None

@@ -159,7 +159,7 @@ class Engine:
     def _sizer(self, spec: str, **options: Any) -> LiveSizer | None:
         """The live tree size of `spec` (`tree_choice`), measured and chosen on first use."""
         base = parse_spec(spec).base
-        sized = {kind.drafter for kind in KINDS.values() if kind.sized}  # drafters whose tree budget is sized here
+        sized = {kind.drafter_name for kind in KINDS.values() if kind.sized}  # drafters whose tree budget is sized here
         if self.profile is not None or options.get("budget") is not None or base not in sized:
             return None
         heads = heads_dir(base, options.get("heads"), self.model_name)
@@ -175,9 +175,10 @@ class Engine:
 
     def _draft_ms_per_depth(self, spec: str, **options: Any) -> float:
         """ms of drafting per tree depth, measured: a short greedy decode of a synthetic prompt with `spec`'s
-        drafter (its options and profile, the default tree size). Medusa's heads guess every depth at once: 0."""
+        drafter (its options and profile, the default tree size). Heads of a static tree (Medusa's) guess every
+        depth at once: 0."""
         base = parse_spec(spec).base
-        if base.startswith("medusa"):
+        if any(kind.static_tree and kind.drafter_name == base for kind in KINDS.values()):
             return 0.0
         sizes = ("budget", "sampled_budget", "depth")  # the rest (top_k, draft_vocab ...) as the real drafter's
         own = {k: v for k, v in options.items() if k in option_names(base) and k not in sizes}

@@ -56,6 +56,7 @@ class HeadsConfig:
     norm_before_fc: bool = False  # eagle3: one RMSNorm over the fused states before fc (gpt-oss style)
     norm_output: bool = False  # eagle3: the next drafting step reads the normed output (EAGLE 3.1)
     draft_layers: int = 1  # eagle3: decoder layers in the head
+    options: dict = field(default_factory=dict)  # a kind's own options (heads/kinds.py HeadKind.options), by name
 
 
 @dataclass
@@ -137,6 +138,10 @@ def _coerce(value, hint, key: str):
         return tuple(_coerce(v, t, key) for v, t in zip(value, typing.get_args(hint), strict=True))
     if origin in (typing.Union, types.UnionType):
         return value
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{key}' must be a mapping, got {value!r}")
+        return value
     if hint is float and not isinstance(value, bool):
         try:  # YAML 1.1 reads `3e-4` as a string
             return float(value)
@@ -145,6 +150,16 @@ def _coerce(value, hint, key: str):
     if hint in (int, str, bool) and not (isinstance(value, hint) and (hint is bool or not isinstance(value, bool))):
         raise ConfigError(f"'{key}' must be {hint.__name__}, got {value!r}")
     return value
+
+
+def own_options(kind, values: dict):
+    """A head kind's own training options: its `options` dataclass built from `heads.options` (None when it takes
+    none); a key it does not take, or a value of the wrong type, is a ConfigError naming it."""
+    if kind.options is None:
+        if values:
+            raise ConfigError(f"heads.options: the {kind.name} kind takes no options of its own (got {sorted(values)})")
+        return None
+    return _build(kind.options, values, "heads.options.")
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:

@@ -14,7 +14,7 @@ import torch
 from headstart.heads.kinds import KINDS
 from headstart.runtime import background
 from headstart.runtime.models import load_model
-from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir
+from headstart.train.config import ConfigError, TrainConfig, config_to_dict, ensure_writable_dir, own_options
 from headstart.train.data import load_rows
 from headstart.train.fsdp import fsdp_launch
 from headstart.train.sources import answered_ids, check_sources
@@ -33,6 +33,8 @@ def run(cfg: TrainConfig) -> dict[str, dict[str, float]]:
     kinds = [k.strip() for k in cfg.heads.kind.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         raise ConfigError(f"heads.kind must be one of {', '.join(KINDS)} or a comma list; got '{cfg.heads.kind}'")
+    for k in kinds:
+        own_options(KINDS[k], cfg.heads.options)  # checked before anything loads
     lora = [k for k in kinds if KINDS[k].trains_target]  # Medusa-2: a LoRA on the target trains too
     for key, value in (("output_dir", cfg.output_dir), ("data.path", cfg.data.path)):
         if not value:

@@ -8,6 +8,7 @@ evaluation reads and what it saves beside the heads; the trainer has no branch o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import math
@@ -23,7 +24,7 @@ from headstart.heads.checkpoint import build_heads, save_heads, target_fingerpri
 from headstart.heads.kinds import Tools, get_kind
 from headstart.heads.vocab import DraftReadout, frequent_tokens
 from headstart.runtime.tokens import pad_id
-from headstart.train.config import TrainConfig, config_to_dict, ensure_writable_dir, portable
+from headstart.train.config import TrainConfig, config_to_dict, ensure_writable_dir, own_options, portable
 from headstart.train.data import Row, collate, make_batches, split_rows
 from headstart.train.evaluate import rank_hits, summarize
 from headstart.train.features import FeatureCache, target_features
@@ -69,9 +70,11 @@ class Trainer:
         if not self.train_rows:
             raise ValueError(f"no training rows left after holding out {cfg.data.eval_rows} for evaluation")
         self.kind = get_kind(cfg.heads.kind)  # what the kind needs (heads/kinds.py)
-        self.options = self.kind.training_options(cfg.heads)
+        # the kind sees the `heads` section with its own options (`heads.options`) built as its dataclass
+        section = dataclasses.replace(cfg.heads, options=own_options(self.kind, cfg.heads.options))
+        self.options = self.kind.training_options(section)
         heads = build_heads(cfg.heads.kind, model, **self.options).float()
-        self.depths = self.kind.eval_depth(heads, cfg.heads)  # the drafting depths evaluation scores
+        self.depths = self.kind.eval_depth(heads, section)  # the drafting depths evaluation scores
         self.options.update(self.kind.saved_options(heads))
         self.layers = self.kind.feature_layers(heads)  # the target hidden states the loss reads
         self.sharded = shard_target(model, accelerator)  # an FSDP launch: each process holds 1/N of the target
@@ -108,7 +111,7 @@ class Trainer:
         self.readout = heads.readout(model.get_output_embeddings())
         self.target_readout = DraftReadout(model.get_output_embeddings(), heads.draft_vocab)  # p over the draft vocab
         self.embed = model.get_input_embeddings()
-        self.tools = Tools(self.readout_f32, self.embed_f32, self.target_readout, self.readout.to_draft, cfg.heads)
+        self.tools = Tools(self.readout_f32, self.embed_f32, self.target_readout, self.readout.to_draft, section)
         self._epoch = 0
         self.rank_accuracy: list[list[float]] = []
         self._batches = make_batches(self.train_rows, cfg.data.batch_tokens, cfg.seed)

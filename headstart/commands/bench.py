@@ -98,7 +98,7 @@ def _given_heads(entries: list[str]) -> tuple[dict[str, str], dict[str, str]]:
                 raise common.UserError(f"--heads {label}={directory}: {e}") from e
             if found != label:
                 raise common.UserError(f"--heads {label}={directory}: that folder holds {found} heads, not {label}")
-            kinds[KINDS[label].drafter] = directory  # the methods of the drafter that decodes this kind
+            kinds[KINDS[label].drafter_name] = directory  # the methods of the drafter that decodes this kind
         else:
             labelled[label] = directory
     return kinds, labelled

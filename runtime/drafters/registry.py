@@ -15,6 +15,7 @@ Builders import their modules when called: reading this table loads no model cod
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,8 +90,9 @@ def heads_adapter(spec: str | DrafterSpec, model_name: str | None, heads: str | 
     return str(directory) if directory is not None and is_adapter_dir(directory) else None
 
 
-def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
-    """(module, config) of the heads `options.heads`, else of those shipped for `ctx.model_name`."""
+def trained_heads(kind: str, options: Any, ctx: Context):
+    """(module, config) of the heads `options.heads`, else of those shipped for `ctx.model_name`, checked to be
+    heads the drafter `kind` decodes (`options`: a dataclass with `heads` and `allow_adapter_mismatch`)."""
     from headstart.heads.kinds import get_kind
     from headstart.heads.load import load_heads
 
@@ -99,7 +101,7 @@ def _trained(kind: str, options: MedusaOptions | EagleOptions, ctx: Context):
         shipped = f": none are shipped for {ctx.model_name}" if ctx.model_name else ""
         raise ValueError(f"the {kind} drafter needs trained heads (`heads`: their directory){shipped}")
     module, config = load_heads(heads, ctx.model, ctx.tokenizer, options.allow_adapter_mismatch)
-    if get_kind(config.kind).drafter != kind:  # a kind names the drafter that decodes with it (heads/kinds.py)
+    if get_kind(config.kind).drafter_name != kind:  # a kind names the drafter that decodes with it (heads/kinds.py)
         raise ValueError(f"{heads} holds {config.kind} heads, not {kind} heads")
     return module, config
 
@@ -113,7 +115,7 @@ def _medusa(options: MedusaOptions, ctx: Context, kind: str = "medusa") -> Draft
     from headstart.runtime.drafters.medusa import MedusaDrafter
     from headstart.runtime.tree import choose_tree_shape, prior_rank_accuracy
 
-    module, config = _trained(kind, options, ctx)
+    module, config = trained_heads(kind, options, ctx)
     accuracy = config.measured_accuracy
     if accuracy is None:
         why = "measured 0 for every rank" if config.rank_accuracy else "carry no measured per-rank accuracies"
@@ -139,7 +141,7 @@ def _eagle(options: EagleOptions, ctx: Context, kind: str = "eagle") -> Drafter:
 
     if ctx.model is not None and kind == "eagle":
         EagleHead.check_target(ctx.model)  # before any file is read (an EAGLE-3 layer is Llama's on any target)
-    module, config = _trained(kind, options, ctx)
+    module, config = trained_heads(kind, options, ctx)
     embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
     options = dataclasses.replace(options, draft_vocab=_readout_limit(options, config))
     return EagleDrafter(module, embed, lm_head, options, rank_accuracy=config.measured_accuracy, name=kind)
@@ -195,6 +197,20 @@ REGISTRY: dict[str, Entry] = {
 }
 
 
+def entry(name: str) -> Entry | None:
+    """The drafter `name`: one of REGISTRY, or the one a head kind of that name brings (heads/kinds.py: its
+    `drafter` is "module:attr" of an Entry; the kinds are read only for a name REGISTRY lacks). None: no such."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    from headstart.heads.kinds import KINDS
+
+    kind = KINDS.get(name)
+    if kind is None or kind.own_drafter is None:
+        return None
+    module, _, attr = kind.own_drafter.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def names() -> list[str]:
     """Every drafter name a spec may start with, grafted ones included."""
     return [*REGISTRY, *(n + GRAFT_SUFFIX for n, e in REGISTRY.items() if e.graftable)]
@@ -202,7 +218,7 @@ def names() -> list[str]:
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    base: str  # a REGISTRY name
+    base: str  # a drafter name (`entry`)
     graft: bool = False  # base+lookup
     value: Any = None  # the positional option's value, as its field's type
 
@@ -215,16 +231,16 @@ def parse_spec(text: str) -> DrafterSpec:
     """`eagle+lookup:12` -> DrafterSpec('eagle', graft=True, value='12'); unknown names are an error."""
     name, colon, value = text.strip().partition(":")
     base = name.removesuffix(GRAFT_SUFFIX)
-    entry = REGISTRY.get(base)
-    if entry is None or (name != base and not entry.graftable):
+    found = entry(base)
+    if found is None or (name != base and not found.graftable):
         raise ValueError(f"unknown drafter '{text}': choose from {', '.join(names())}")
-    if colon and entry.positional is None:
+    if colon and found.positional is None:
         raise ValueError(f"'{text}': the {base} drafter takes no ':' value")
     if colon and not value:
-        raise ValueError(f"'{text}': give a value after ':' ({entry.positional})")
+        raise ValueError(f"'{text}': give a value after ':' ({found.positional})")
     if not colon:
         return DrafterSpec(base, name != base)
-    return DrafterSpec(base, name != base, _coerce(value, _fields(entry.options)[entry.positional], text))
+    return DrafterSpec(base, name != base, _coerce(value, _fields(found.options)[found.positional], text))
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -234,7 +250,7 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
 def option_names(spec: str | DrafterSpec) -> list[str]:
     """The options a drafter spec takes."""
     spec = parse_spec(spec) if isinstance(spec, str) else spec
-    keys = list(_fields(REGISTRY[spec.base].options))
+    keys = list(_fields(entry(spec.base).options))
     if spec.graft:
         keys += [k for k in _fields(LookupOptions) if k != "budget" and k not in keys] + list(_fields(GraftOptions))
     return keys
@@ -257,7 +273,7 @@ def resolve(spec: str | DrafterSpec, profile: str | None = None, **options: Any)
     `options` with value None are left to the profile and the defaults.
     """
     spec = parse_spec(spec) if isinstance(spec, str) else spec
-    entry = REGISTRY[spec.base]
+    found = entry(spec.base)
     given = {k: v for k, v in options.items() if v is not None}
     unknown = [k for k in given if k not in option_names(spec)]
     if unknown:
@@ -266,12 +282,12 @@ def resolve(spec: str | DrafterSpec, profile: str | None = None, **options: Any)
             f"(it takes: {', '.join(option_names(spec)) or 'none'})"
         )
     if spec.value is not None:
-        given.setdefault(entry.positional, spec.value)
-    for source, target in entry.also_sets.items():
+        given.setdefault(found.positional, spec.value)
+    for source, target in found.also_sets.items():
         if source in given:
             given.setdefault(target, given[source])
     values = {**profiles.options(profile, spec.base), **given}
-    groups = {"inner": entry.options}
+    groups = {"inner": found.options}
     if spec.graft:
         groups.update(lookup=LookupOptions, graft=GraftOptions)
     resolved = {}
@@ -299,7 +315,7 @@ def make_drafter(
         profile = profiles.default_profile(model_name)
     resolved = resolve(spec, profile, **options)
     ctx = Context(model, tokenizer, model_name)
-    drafter = REGISTRY[spec.base].build(resolved["inner"], ctx)
+    drafter = entry(spec.base).build(resolved["inner"], ctx)
     if not spec.graft:
         return drafter
     from headstart.runtime.drafters.graft import LookupGraft
