@@ -13,11 +13,17 @@ rows (`keep_rows`).
 
 Slots are padded to the widest slot's capacity (one tensor per layer, not pages): the batch's sequences are the
 first slots, a leaver's slot is refilled by moving the last live slot into it (`copy`), and `release` frees
-everything when the batch empties. Layers stay full on every layer, sliding-window ones included
+everything when the batch empties, handing the freed memory back to the system (`trim_heap`: glibc keeps freed
+buffers, and a batched prefill's transient hidden states, resident otherwise; a server's memory then grows to
+its busiest moment and stays there). Layers stay full on every layer, sliding-window ones included
 (runtime/attention.py says why).
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
 
 import torch
 from transformers import DynamicCache
@@ -140,11 +146,27 @@ class SlotCache(DynamicCache):
             layer.restore(slot, layer_kv)
 
     def release(self) -> None:
-        """Free every buffer (the batch is empty); the next forward allocates again."""
+        """Free every buffer (the batch is empty) and return the memory to the system; the next forward allocates
+        again."""
         for layer in self.layers:
             layer._k = layer._v = None
         self.slots_used = 1
+        trim_heap()
 
     def nbytes(self) -> int:
         """Bytes the buffers hold now."""
         return sum(2 * layer._k.nbytes for layer in self.layers if layer._k is not None)
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`); False where there is no such call
+    (not glibc). Costs a walk of the free lists: call it when much was just freed, not every round."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    return bool(trim(0)) if trim is not None else False
