@@ -150,6 +150,7 @@ class SlotCache(DynamicCache):
         again."""
         for layer in self.layers:
             layer._k = layer._v = None
+            layer.keys = layer.values = torch.empty(0)  # the last forward's views, which would keep the buffers
         self.slots_used = 1
         trim_heap()
 
