@@ -37,12 +37,28 @@ class Verified:
     lm_head_s: float = 0.0  # of the forward, seconds in the lm_head (measured only under `Target.timing_lm_head`)
 
 
+try:  # a list of indices selects hidden states (the others come back None) in transformers 5.2x; before, all
+    from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+
+    _SELECTS_HIDDEN_STATES = True
+except ImportError:
+    _SELECTS_HIDDEN_STATES = False
+
+
 def features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
     """The hidden states `layers` names (indices into `output_hidden_states`: k = after k decoder layers,
     -1 = the last, after the final norm), concatenated: (..., len(layers) * H)."""
     if layers == (-1,):
         return hidden_states[-1]
     return torch.cat([hidden_states[k] for k in layers], dim=-1)
+
+
+def _hidden_states_wanted(layers: tuple[int, ...] | None) -> bool | list[int]:
+    """`output_hidden_states` for `layers` (None: all): only those where transformers can select (the others come
+    back None; a 16-prompt prefill then holds 1 of SmolLM2's 31 states for an EAGLE drafter, not 31: ~400 MB)."""
+    if layers is None or not layers:
+        return layers is None
+    return list(layers) if _SELECTS_HIDDEN_STATES else True
 
 
 class Target:
@@ -219,7 +235,7 @@ class Target:
             position_ids=positions,
             cache=self.cache,
             use_cache=True,
-            output_hidden_states=layers is None or bool(layers),
+            output_hidden_states=_hidden_states_wanted(layers),
             logits_to_keep=logits_to_keep,
         )
 

@@ -209,13 +209,21 @@ def soak(
     answers: list | None = None,
 ) -> dict:
     """`clients` threads send a random mix of SOAK_KINDS for `seconds` while /health is polled; counts by kind and
-    status, /health latency, the server's resident memory (from /metrics) at the start and the end. With
+    status, /health latency, the server's resident memory (from /metrics) at the start and at the end, once the
+    server is idle again. With
     `answers` (a list), the greedy chat answers are collected there (`soak_request`)."""
     import random
     import threading
     from collections import Counter
 
-    def rss() -> float:
+    def rss(after_idle: bool = False) -> float:
+        """The server's resident MB; `after_idle`: once it runs and queues nothing (up to 60 s; a left client's
+        job stops within a round), as at the start."""
+        for _ in range(600 if after_idle else 0):
+            health = httpx.get(url + "/health", timeout=30).json()
+            if not health.get("running") and not health.get("queue_depth"):
+                break
+            time.sleep(0.1)
         for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
             if line.startswith("process_resident_memory_bytes "):
                 return float(line.split()[1]) / 2**20
@@ -251,6 +259,7 @@ def soak(
         t.start()
     for t in threads:
         t.join()
+    rss_end = rss(after_idle=True)
     by_kind = {f"{kind} {status}": n for (kind, status), n in sorted(counts.items(), key=str)}
     served = sum(n for (_, s), n in counts.items() if s == 200)
     errors = sum(n for (_, s), n in counts.items() if isinstance(s, int) and s >= 500)
@@ -264,5 +273,5 @@ def soak(
         "by_kind_and_status": by_kind,
         **latency,
         "rss_start_mb": rss_start,
-        "rss_end_mb": rss(),
+        "rss_end_mb": rss_end,
     }

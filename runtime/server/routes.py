@@ -27,6 +27,7 @@ async def health(request: Request) -> JSONResponse:
     body = {
         "status": "ok" if alive else "worker stopped",
         "queue_depth": s.worker.queue_depth,
+        "running": len(s.worker.running),
         "model": s.config.model_name,
         "drafter": s.engine.drafter.name,
     }
