@@ -5,7 +5,9 @@ draft models, and each with lookup grafted on), built through the registry as us
 2. exact sampling: at T = 0.8, top-p 0.9 the first three tokens of 3,000 seeded runs follow the target's exact
    joint distribution (chi-square; p < 1e-3 fails, so a correct drafter fails 0.1 % of seeds, and the seeds are
    fixed), and no run ever writes a sequence the target gives probability 0 (top-p cuts many);
-3. cache in sync: after every round the target's KV cache equals a fresh prefill of the sequence.
+3. cache in sync: after every round the target's KV cache equals a fresh prefill of the sequence;
+4. forks: a drafter's forks (its weights shared, a state each) decode sequences side by side in one batch, each
+   sequence's tokens its greedy ones.
 
 The set-up (`helpers.drafters`, fixture `tiny_drafters` in conftest.py): a tiny random Llama over 8 tokens, random
 heads, a one-layer draft model.
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from headstart.runtime.drafters.registry import names
-from headstart.runtime.generate import stream
+from headstart.runtime.generate import Request, decode_all, stream
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
 from helpers.drafters import PROMPTS, build
@@ -87,3 +89,25 @@ def test_cache_in_sync_after_each_round(name, temperature, tiny_drafters):
         for ours, theirs in zip(target.cache.layers, fresh.cache.layers, strict=True):
             torch.testing.assert_close(ours._k[0, :, :n], theirs._k[0, :, :n], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(ours._v[0, :, :n], theirs._v[0, :, :n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", names())
+def test_forks_decode_side_by_side(name, tiny_drafters):
+    """One drafter and its forks speculate for three sequences in one batch (trees verified in one forward):
+    each sequence gets `model.generate`'s greedy tokens, and the forks share the drafter's weights."""
+    model = tiny_drafters[0]
+    drafter = build(name, tiny_drafters)
+    forks = [drafter, drafter.fork(), drafter.fork()]
+    assert forks[1] is not drafter and type(forks[1]) is type(drafter)
+    for attr in ("head", "heads", "model"):  # what a trained or model drafter loaded: not copied
+        inner = getattr(drafter, "inner", drafter)
+        if hasattr(inner, attr):
+            assert getattr(getattr(forks[2], "inner", forks[2]), attr) is getattr(inner, attr)
+    requests = [Request(list(p), d, max_new_tokens=24) for p, d in zip(PROMPTS, forks, strict=True)]
+    done = list(decode_all(Target(model, slots=3), requests))
+    assert len(done) == 3
+    for r in requests:
+        hf = model.generate(torch.tensor([r.prompt_ids]), do_sample=False, max_new_tokens=24, pad_token_id=0)
+        assert r.context[len(r.prompt_ids) :] == hf[0, len(r.prompt_ids) :].tolist(), f"{name}: {r.prompt_ids}"
+    accepted = sum(sum(r.stats.accepted_per_depth) for r in requests)
+    assert (accepted > 0) == (name != "none"), f"{name}: {accepted} draft tokens accepted"

@@ -8,6 +8,7 @@ A drafter serves one sequence at a time: build one per concurrent decode (`regis
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -42,6 +43,16 @@ class Drafter:
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         """The target accepted `path` of `tree` (its features `hidden`, (n+1, F), or None) and chose `next_token`."""
 
+    def fork(self) -> Drafter:
+        """A drafter for another sequence, decoded beside this one: the same model, heads and options (shared, not
+        copied: a fork costs no load and no packing), a state of its own, empty until `start`."""
+        twin = copy.copy(self)
+        twin.clear()
+        return twin
+
+    def clear(self) -> None:
+        """Forget the sequence (a fork's state is its own from here on): what `fork` calls on the copy."""
+
 
 class SamplingDrafter(Drafter):
     """Base of the drafters that sample their guesses at T > 0: the decode's sampling parameters and a
@@ -56,6 +67,10 @@ class SamplingDrafter(Drafter):
         self.sampling = self.draft_sampling = SamplingParams()
         self.draft_temperature = draft_temperature
         self.generator = torch.Generator(device=device)
+
+    def clear(self) -> None:
+        self.sampling = self.draft_sampling = SamplingParams()
+        self.generator = torch.Generator(device=self.generator.device)
 
     def start_sampling(self, sampling: SamplingParams | None, seed: int | None) -> None:
         """Take the decode's `sampling`; seed the stream from its `seed` (+1: not the verifier's stream)."""

@@ -75,6 +75,12 @@ class EagleDrafter(SamplingDrafter):
         self.sizer: LiveSizer | None = None
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
 
+    def clear(self) -> None:
+        super().clear()
+        self.cache = DynamicCache()
+        self._root_feature = None
+        self._drafted = 0
+
     def resize(self, choice: TreeChoice, sampled: bool) -> None:
         """Take the budget and depth (greedy) or the static shape (sampled) of `choice`; `depth` bounds both."""
         if sampled:

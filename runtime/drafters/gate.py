@@ -46,6 +46,11 @@ class GatedDrafter(Drafter):
         self.inner, self.speculate, self.gate = inner, speculate, gate
         self.name, self.feature_layers = inner.name, inner.feature_layers
 
+    def clear(self) -> None:
+        self.inner = self.inner.fork()
+        g = self.gate  # its own acceptance record, with the same settings
+        self.gate = None if g is None else AcceptanceGate(g.min_acceptance, g.recent.maxlen, g.backoff)
+
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
 

@@ -31,6 +31,9 @@ class LookupGraft(Drafter):
         self.name = f"{inner.name}+lookup"
         self.feature_layers = inner.feature_layers
 
+    def clear(self) -> None:
+        self.inner = self.inner.fork()
+
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
 

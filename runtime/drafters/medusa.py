@@ -58,6 +58,10 @@ class MedusaDrafter(SamplingDrafter):
         self._feature: torch.Tensor | None = None  # (H,) target feature just before the root
         self.vocab_size = lm_head.weight.shape[0]
 
+    def clear(self) -> None:
+        super().clear()
+        self._feature = None
+
     @classmethod
     def from_accuracies(cls, heads: MedusaHeads, lm_head: nn.Module, rank_accuracy, budget: int) -> MedusaDrafter:
         return cls(heads, lm_head, choose_tree_shape(rank_accuracy, budget))

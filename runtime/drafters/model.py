@@ -121,6 +121,10 @@ class ModelDrafter(SamplingDrafter):
         """Draft with the target's own decoder `layers` (increasing, from layer 0), norm and lm_head."""
         return cls(layerskip_model(target, layers), options, layers=layers)
 
+    def clear(self) -> None:
+        super().clear()
+        self._reset()
+
     def _reset(self) -> None:
         self.cache = LayerSubsetCache(self.layers) if self.layers is not None else DynamicCache()
         self.cached: list[int] = []  # the tokens whose K/V the draft cache holds
