@@ -6,8 +6,11 @@
 The head's weights are already named as the engines name them (`fc`, `midlayer.*`, `norm`,
 `lm_head`); the export adds the engines' config.json, turns the draft vocabulary (target ids, most
 frequent first) into `d2t` offsets (target id = i + d2t[i]) and the `t2d` mask, and writes a
-README.md with the serving commands. The speculators twin names the layer `layers.0.*` and says
-which target it drafts for, so `vllm serve OUT_DIR` finds the target by itself.
+README.md with the serving commands. The speculators twin names the layer `layers.0.*`, says
+which target it drafts for, so `vllm serve OUT_DIR` finds the target by itself, and stores the target's
+input embedding as `embed_tokens.weight`, as speculators' own `save_pretrained` does: speculators 0.9.0's
+loader leaves a missing embedding uninitialised (it tests the memory for NaN; seen: garbage in 3 loads of 8),
+so a head without it drafts from random memory there.
 
 Only heads the engines run exactly as headstart does are exported; anything else is refused with
 the reason: other kinds (EAGLE-1's fc bias and post-norm features, Medusa), a draft vocabulary larger
@@ -135,17 +138,24 @@ def export_heads(
     fmt: str = "specforge",
     verifier: str | None = None,
     resolve: Callable[[str], str] | None = None,
+    embedding: torch.Tensor | None = None,
 ) -> Path:
     """Write the heads in `heads_dir` to `out_dir` in `fmt` ("specforge": the layout vLLM and SGLang load;
     "speculators": vLLM's self-describing twin). `verifier`: the target's hub name or path, as the commands and
     the speculators config name it; default: `resolve` of the name the heads were trained for (the embedded
-    model's hub id, `runtime/models.py`). No file names a path of this machine but what `verifier` says."""
+    model's hub id, `runtime/models.py`); `embedding`: the target's input embedding (vocab, hidden), required
+    by "speculators". No file names a path of this machine but what `verifier` says."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format '{fmt}': choose {' or '.join(FORMATS)}")
     heads_dir, out_dir = Path(heads_dir), Path(out_dir)
     config, weights = read_checkpoint(heads_dir)
     check_exportable(config, weights)
     target = config.target
+    if fmt == "speculators":
+        shape = (target["vocab_size"], target["hidden_size"])
+        if embedding is None or tuple(embedding.shape) != shape:
+            got = "none" if embedding is None else f"one of {tuple(embedding.shape)}"
+            raise ExportError(f"the speculators format stores the target's input embedding {shape}: got {got}")
     verifier = verifier or (resolve or str)(target.get("name") or "TARGET")
     llama = layer_config(config, weights)
     options = config.options
@@ -184,6 +194,7 @@ def export_heads(
             **flags,  # written even when false, as speculators writes them
         }
         tensors = engine_weights(weights, target["vocab_size"], "layers.0.")
+        tensors["embed_tokens.weight"] = embedding.detach().contiguous()
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from headstart.cli import main as cli
 from headstart.heads.checkpoint import build_heads, save_heads, target_fingerprint
 from headstart.heads.eagle3 import PLAIN_VARIANT, engine_feature_layers, feature_layers
-from headstart.heads.export import export_heads
+from headstart.heads.export import ExportError, export_heads
 from helpers.eagle3_reference import ReferenceEagle3
 from helpers.exactness import assert_identity_with_trained_heads, random_heads
 from helpers.models import tiny_llama
@@ -142,8 +142,14 @@ def test_export_writes_the_engines_layout(tmp_path):
 
 
 def test_export_speculators_format(tmp_path):
-    heads_dir, _ = saved_head(tmp_path)  # the full vocabulary: no d2t / t2d
-    out = export_heads(heads_dir, tmp_path / "spec", "speculators", verifier="/models/tiny")
+    model = tiny_llama(vocab_size=64, layers=8)
+    heads_dir, _ = saved_head(tmp_path, model)  # the full vocabulary: no d2t / t2d
+    embedding = model.get_input_embeddings().weight
+    with pytest.raises(ExportError, match=r"stores the target's input embedding \(64, 64\): got none"):
+        export_heads(heads_dir, tmp_path / "spec", "speculators", verifier="/models/tiny")
+    with pytest.raises(ExportError, match=r"got one of \(64, 8\)"):
+        export_heads(heads_dir, tmp_path / "spec", "speculators", embedding=embedding[:, :8])
+    out = export_heads(heads_dir, tmp_path / "spec", "speculators", verifier="/models/tiny", embedding=embedding)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
     assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny"
@@ -152,6 +158,9 @@ def test_export_speculators_format(tmp_path):
     weights = load_file(out / "model.safetensors")
     assert "layers.0.hidden_norm.weight" in weights and not any(k.startswith("midlayer.") for k in weights)
     assert "d2t" not in weights and "t2d" not in weights
+    # the target's embedding stored, as speculators' save_pretrained stores it (its loader leaves a missing one as
+    # uninitialised memory)
+    assert torch.equal(weights["embed_tokens.weight"], embedding)
 
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
@@ -211,7 +220,10 @@ def test_fused_layers_are_named_in_each_engines_numbering(tmp_path):
     config = json.loads((export_heads(shallow, tmp_path / "sf") / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # vLLM: the input of layer k
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang: the output of layer k
-    config = json.loads((export_heads(shallow, tmp_path / "sp", "speculators") / "config.json").read_text())
+    embedding = torch.zeros(64, 64)
+    config = json.loads(
+        (export_heads(shallow, tmp_path / "sp", "speculators", embedding=embedding) / "config.json").read_text()
+    )
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]
     eight, _ = saved_head(tmp_path / "e")  # 8 layers: the engines' own (2, 4, 5), named all the same
     config = json.loads((export_heads(eight, tmp_path / "ef") / "config.json").read_text())

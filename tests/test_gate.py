@@ -49,7 +49,8 @@ def test_a_head_fitted_to_its_rows_keeps_its_acceptance_through_every_layout(tmp
     native, _ = load_heads(heads_dir, model, tokenizer)
     for layout in LAYOUTS[kind]:
         if layout in ("specforge", "speculators"):
-            out = export_heads(heads_dir, tmp_path / layout, layout, verifier=str(tiny_model_dir))
+            embedding = model.get_input_embeddings().weight if layout == "speculators" else None
+            out = export_heads(heads_dir, tmp_path / layout, layout, verifier=str(tiny_model_dir), embedding=embedding)
         else:
             ids = {"aux_ids": list(native.feature_layers)} if kind == "eagle3" else {}  # the tiny target's clamped ones
             out = write_published(native, model, layout, tmp_path / layout, **ids)

@@ -29,6 +29,12 @@ def add_parsers(sub) -> None:
         help="the target's hub name or path the commands and the speculators config name (default: the "
         f"model the heads were trained for; the embedded model is {EMBEDDED_HUB_ID})",
     )
+    ex.add_argument(
+        "--model",
+        default=None,
+        help="speculators format: the target whose input embedding it stores (embedded name, HF model directory "
+        "or .gguf file; default: the model the heads were trained for)",
+    )
     ex.set_defaults(run=cmd_export)
 
     cv = sub.add_parser("convert", help="write published Medusa / EAGLE / EAGLE-3 heads as headstart heads")
@@ -71,8 +77,23 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     def target_name(name: str) -> str:
         return EMBEDDED_HUB_ID if name == DEFAULT_MODEL else name
 
-    print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_name))
+    embedding = None
+    if args.format == "speculators":
+        embedding = trained_for_embedding(args.heads, args.model)
+    print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_name, embedding=embedding))
     return 0
+
+
+def trained_for_embedding(heads: str, model: str | None):
+    """The input embedding of `model`, or of the target the heads in `heads` were trained for (its name there)."""
+    from headstart.heads.checkpoint import CheckpointConfig
+    from headstart.runtime.models import load_model
+
+    name = model or CheckpointConfig.read(Path(heads)).target.get("name")
+    if not name:
+        raise ValueError("the heads' config does not name their target: give --model (its directory or .gguf file)")
+    target, _ = load_model(name)
+    return target.get_input_embeddings().weight.detach()
 
 
 def cmd_convert(args: argparse.Namespace, argv: list[str]) -> int:

@@ -106,9 +106,12 @@ def main() -> int:
     shipped = shipped_heads(DEFAULT_MODEL, "eagle3")
     # speculators' loader reads the verifier's embedding and lm_head: name the local copy (`--target DIR`), as a user
     # without the hub would
-    export_heads(shipped, out / "shipped-export", "speculators", verifier=str(resolve_model_dir(DEFAULT_MODEL)))
-    peer(args.peer_python, "resave", str(out / "shipped-export"), str(out / "shipped-resaved"))
     model, tokenizer = load_model(DEFAULT_MODEL)
+    verifier = str(resolve_model_dir(DEFAULT_MODEL))
+    export_heads(
+        shipped, out / "shipped-export", "speculators", verifier, embedding=model.get_input_embeddings().weight
+    )
+    peer(args.peer_python, "resave", str(out / "shipped-export"), str(out / "shipped-resaved"))
     with warnings.catch_warnings():
         warnings.simplefilter(
             "ignore"
@@ -142,7 +145,7 @@ def main() -> int:
             converted = convert_heads(folder / "head", folder / "converted", target)
         ours = our_drafts(head, embed, saved["hidden"], saved["input_ids"], len(saved["logits"]))
         diff = compare(ours, saved["logits"])
-        export_heads(converted, folder / "export", "speculators", verifier=str(out / "target"))
+        export_heads(converted, folder / "export", "speculators", str(out / "target"), embedding=embed.weight)
         peer(
             args.peer_python,
             "drafts",
