@@ -35,6 +35,8 @@ class GenerationStats:
     target_passes: int = 0  # verification forwards (the prefill not counted)
     plain_passes: int = 0  # of those, passes with nothing drafted (an empty tree)
     accepted_per_depth: list[int] = field(default_factory=list)  # [d-1]: rounds whose path reached depth d
+    draft_tokens: int = 0  # tree nodes verified (every node of every tree)
+    accepted_histogram: list[int] = field(default_factory=list)  # [k]: speculative rounds that accepted k nodes
     draft_s: float = 0.0
     verify_s: float = 0.0  # target forward + accept_path + cache commit
     elapsed_s: float = 0.0  # prefill to last token
@@ -60,6 +62,21 @@ class GenerationStats:
             "accepted_per_depth": list(self.accepted_per_depth),
             "draft_ms": round(1e3 * self.draft_s / rounds, 3),
             "verify_ms": round(1e3 * self.verify_s / rounds, 3),
+        }
+
+    def spec_decode(self) -> dict:
+        """vLLM's per-request `metrics.speculative_decoding` summary: a step is a round with a tree, its draft
+        tokens are the tree's nodes (all verified in its one forward), its accepted ones the nodes of the path
+        (`accepted_per_depth` adds them by tree depth)."""
+        steps, accepted = self.target_passes - self.plain_passes, sum(self.accepted_per_depth)
+        return {
+            "num_spec_steps": steps,
+            "num_draft_tokens": self.draft_tokens,
+            "num_accepted_draft_tokens": accepted,
+            "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": accepted / self.draft_tokens if self.draft_tokens else 0.0,
+            "acceptance_histogram": list(self.accepted_histogram),
+            "accepted_per_depth": list(self.accepted_per_depth),
         }
 
 
@@ -362,6 +379,10 @@ def _emit(r: Request, tree: DraftTree, accepted, phase: dict[str, float], split:
     stats = r.stats
     stats.target_passes += 1
     stats.plain_passes += not tree
+    if tree:
+        stats.draft_tokens += len(tree)
+        stats.accepted_histogram.extend([0] * (drafted + 1 - len(stats.accepted_histogram)))
+        stats.accepted_histogram[drafted] += 1
     stats.new_tokens += len(new)
     for name, seconds in split.items():
         stats.phase_s[name] += seconds

@@ -249,8 +249,9 @@ def test_loadtest_reports_every_level(server, tmp_path, capsys):
 
 
 def test_speculation_steps_aside_when_the_queue_fills(tiny_model_dir):
-    """step_aside_queue=0: any waiting request makes the running one decode plainly; outputs unchanged."""
-    live = LiveServer(tiny_engine(tiny_model_dir, "lookup", delay_s=0.01), step_aside_queue=0)
+    """step_aside_queue=0: any waiting request makes the running one decode plainly; outputs unchanged (one
+    decoding at a time, so that requests wait)."""
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup", delay_s=0.01), step_aside_queue=0, max_batch=1)
     try:
         client = live.client()
 
@@ -390,5 +391,95 @@ def test_requests_decode_together_each_as_it_would_alone(tiny_model_dir):
         assert all(together[i] for i in range(len(bodies)) if i not in greedy)
         assert peak[0] > 1
         wait_until(lambda: live.metric("headstart_running_requests") == 0, what="the leaver still running")
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "eagle"])
+def test_requests_in_a_batch_each_draft_their_own_tree(tiny_model_dir, drafter):
+    """Four greedy requests at once, each drafting with its own fork of the engine's drafter (EAGLE: random heads
+    on the tiny target, features per sequence): their trees are verified in the batched forward, as many rounds
+    speculate as when each ran alone, and every answer is its answer alone. With `speculate_up_to=1` the same
+    four decode plainly while they share the batch."""
+    engine = tiny_engine(tiny_model_dir, "lookup")
+    if drafter == "eagle":
+        from headstart.runtime.drafters.eagle import EagleDrafter
+        from headstart.runtime.engine import Engine
+        from helpers.exactness import random_heads
+
+        m = engine.target.model
+        engine = Engine(
+            m, engine.tokenizer, EagleDrafter(random_heads("eagle", m, 0.1), m.model.embed_tokens, m.lm_head)
+        )
+    engine.eos_ids = frozenset()  # every request runs to its limit
+
+    def run(live: LiveServer) -> tuple[list[str], list[str], float, float]:
+        def ask(i: int) -> str:
+            out = live.client().completions.create(
+                model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=20, temperature=0
+            )
+            return out.choices[0].text
+
+        alone = [ask(i) for i in range(4)]
+        spec_alone = live.metric("headstart_rounds_total", mode="speculative")
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, range(4)))
+        return alone, together, spec_alone, live.metric("headstart_rounds_total", mode="speculative") - spec_alone
+
+    for up_to in (4, 1):
+        live = LiveServer(engine, max_batch=4, speculate_up_to=up_to)
+        try:
+            alone, together, spec_alone, spec_busy = run(live)
+        finally:
+            live.close()
+        assert together == alone and spec_alone > 0
+        if up_to == 4:
+            assert spec_busy == pytest.approx(spec_alone, rel=0.25), (spec_busy, spec_alone)
+        else:
+            assert spec_busy < 0.75 * spec_alone, (spec_busy, spec_alone)
+
+
+def test_each_answer_carries_its_acceptance_as_vllm_writes_it(tiny_model_dir):
+    """--per-request-spec-decode-metrics summary: every answer's `metrics.speculative_decoding` holds vLLM's
+    summary (a step is a round with a tree, its draft tokens the tree's nodes), whole and streamed (on the last
+    chunk); /metrics adds the same counts under vLLM's counter names. Off (the default), answers carry none."""
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup"), per_request_spec_decode_metrics="summary")
+    body = {"model": NAME, "prompt": PROMPTS[0] + " " + PROMPTS[0], "max_tokens": 24, "temperature": 0}
+    try:
+        answer = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        spec = answer["metrics"]["speculative_decoding"]
+        steps, hist = spec["num_spec_steps"], spec["acceptance_histogram"]
+        assert steps > 0 and sum(hist) == steps and answer["headstart"]["target_passes"] >= steps
+        assert (
+            spec["num_accepted_draft_tokens"]
+            == sum(k * n for k, n in enumerate(hist))
+            == sum(spec["accepted_per_depth"])
+        )
+        assert spec["num_draft_tokens"] >= spec["num_accepted_draft_tokens"] > 0
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / steps)
+        assert spec["draft_acceptance_rate"] == pytest.approx(
+            spec["num_accepted_draft_tokens"] / spec["num_draft_tokens"]
+        )
+        assert live.metric("headstart:spec_decode_num_drafts_total") == steps
+        assert live.metric("headstart:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+        assert live.metric("headstart:spec_decode_num_accepted_tokens_total") == spec["num_accepted_draft_tokens"]
+        depths = spec["accepted_per_depth"]
+        per_pos = [
+            live.metric("headstart:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+            for p in range(len(depths))
+        ]
+        assert per_pos == depths
+        for usage in (False, True):
+            streamed = {**body, "stream": True, **({"stream_options": {"include_usage": True}} if usage else {})}
+            with httpx.stream("POST", live.url + "/v1/completions", json=streamed, timeout=60) as r:
+                chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            carrying = [c for c in chunks if "metrics" in c]
+            assert len(carrying) == 1 and carrying[0] is chunks[-1] and ("usage" in chunks[-1]) == usage
+            assert carrying[0]["metrics"]["speculative_decoding"] == spec  # greedy: the same rounds again
+    finally:
+        live.close()
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup"))
+    try:
+        assert "metrics" not in httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
     finally:
         live.close()

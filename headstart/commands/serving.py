@@ -45,6 +45,18 @@ def add_parsers(sub) -> None:
         "--kv-cache-gb", type=float, default=None, help="KV cache budget; requests wait until they fit (default 4)"
     )
     sv.add_argument(
+        "--per-request-spec-decode-metrics",
+        choices=("none", "summary"),
+        default=None,
+        help="summary: each answer carries its acceptance in `metrics.speculative_decoding`, as vLLM's (default none)",
+    )
+    sv.add_argument(
+        "--speculate-up-to",
+        type=int,
+        default=None,
+        help="requests decoding at once up to which each drafts a tree; more decode plainly (default 2; 0: never)",
+    )
+    sv.add_argument(
         "--step-aside-queue",
         type=int,
         default=None,
@@ -112,8 +124,9 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
     for flag, value in limits:
         if value is not None and value <= 0:
             raise common.UserError(f"{flag} must be > 0, got {value}")
-    if args.step_aside_queue is not None and args.step_aside_queue < 0:
-        raise common.UserError(f"--step-aside-queue must be >= 0, got {args.step_aside_queue}")
+    for flag, value in (("--step-aside-queue", args.step_aside_queue), ("--speculate-up-to", args.speculate_up_to)):
+        if value is not None and value < 0:
+            raise common.UserError(f"{flag} must be >= 0, got {value}")
     options = {
         "max_queue": args.max_queue,
         "time_limit_s": args.time_limit,
@@ -122,6 +135,8 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         "max_batch": args.max_batch,
         "kv_cache_gb": args.kv_cache_gb,
         "prefill_chunk": args.prefill_chunk,
+        "speculate_up_to": args.speculate_up_to,
+        "per_request_spec_decode_metrics": args.per_request_spec_decode_metrics,
     }
     if args.max_body_mb is not None:
         if args.max_body_mb <= 0:

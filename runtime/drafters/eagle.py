@@ -2,7 +2,9 @@
 
 The head's own KV cache holds one entry per committed pair (feature(t), token(t+1)) at position t,
 built from the target's true features; its output at the last pair is the predicted feature at
-the root, whose lm_head readout scores the root's children. Drafting, depth by depth: score every
+the root, whose lm_head readout scores the root's children. The pairs a round commits wait until the next
+`propose` (`observe` only queues them): rounds that draft nothing (a plain round under load) cost no head
+forward, and their pairs enter the cache in one forward when drafting resumes. Drafting, depth by depth: score every
 frontier node by the cumulative log-probability of its path, expand the `top_k` best (one head
 forward over all of them, a tree mask inside the head), give each its `top_k` likeliest children.
 Then rerank every drafted node by cumulative log-probability and keep the best `budget`: a child is
@@ -72,6 +74,7 @@ class EagleDrafter(SamplingDrafter):
         self.shape = choose_tree_shape(rank_accuracy, o.sampled_budget) if rank_accuracy else None
         self.cache = DynamicCache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
+        self._pending: list[tuple[torch.Tensor, list[int]]] = []  # committed pairs not yet in the cache
         self.sizer: LiveSizer | None = None
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
 
@@ -79,6 +82,7 @@ class EagleDrafter(SamplingDrafter):
         super().clear()
         self.cache = DynamicCache()
         self._root_feature = None
+        self._pending = []
         self._drafted = 0
 
     def resize(self, choice: TreeChoice, sampled: bool) -> None:
@@ -109,6 +113,10 @@ class EagleDrafter(SamplingDrafter):
     @torch.inference_mode()
     def _commit(self, features: torch.Tensor, tokens: list[int]) -> None:
         """Pairs (feature(t), token(t+1)) of newly committed positions; sets the root's predicted feature."""
+        if self._pending:  # the rounds since the last proposal, in one head forward with these
+            features = torch.cat([*(f for f, _ in self._pending), features])
+            tokens = [t for _, queued in self._pending for t in queued] + tokens
+            self._pending = []
         past, n = self._committed, len(tokens)
         allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)  # causal over the new entries
         out = self._run_head(features, tokens, torch.arange(past, past + n), allowed)
@@ -117,13 +125,14 @@ class EagleDrafter(SamplingDrafter):
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()
         self._root_feature = None
+        self._pending = []
         self.start_sampling(sampling, seed)
         if prompt_hidden is not None and len(prompt_hidden):
             self._commit(prompt_hidden, prompt_ids[1:])
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         rows = [0, *(i + 1 for i in path)]  # the root and the accepted nodes: their true features
-        self._commit(hidden[rows], [*(tree.tokens[i] for i in path), next_token])
+        self._pending.append((hidden[rows], [*(tree.tokens[i] for i in path), next_token]))  # `propose` commits
         if self.sizer is not None and self._drafted and len(tree):
             ours = next((k for k, node in enumerate(path) if node >= self._drafted), len(path))
             choice = self.sizer.record(self._samples, ours)
@@ -133,6 +142,9 @@ class EagleDrafter(SamplingDrafter):
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
         self._drafted = 0
+        if self._pending:
+            features, tokens = self._pending.pop()
+            self._commit(features, tokens)  # with the rest of the queue before it
         if self._root_feature is None:
             return DraftTree()
         past = self._committed

@@ -34,6 +34,8 @@ class ServeConfig:
     max_batch: int = 32  # requests decoded at once (continuous batching; chosen by measurement, docs/serving.md)
     kv_cache_gb: float = 4.0  # the KV cache's budget; a request waits until it fits
     prefill_chunk: int | None = None  # prompt tokens prefilled a round while others decode (None: the loop's own)
+    per_request_spec_decode_metrics: str = "none"  # "summary": each answer's `metrics.speculative_decoding` (vLLM's)
+    speculate_up_to: int = 2  # requests decoding at once up to which each drafts a tree (measured, docs/serving.md)
 
 
 class Completions:
@@ -52,6 +54,7 @@ class Completions:
             config.max_batch,
             int(config.kv_cache_gb * 2**30),
             config.prefill_chunk,
+            speculate_up_to=config.speculate_up_to,
         )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the worker decodes with its own; a fast one is not shared
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="headstart-encode")
@@ -160,6 +163,12 @@ class Completions:
             return StreamingResponse(events, media_type="text/event-stream")
         return await self.whole(job, head, chat, body.return_token_ids, len(prompt_ids), request)
 
+    def metrics_of(self, job: Job) -> dict:
+        """The answer's `metrics` field, as vLLM's --per-request-spec-decode-metrics summary writes it ({} if off)."""
+        if self.config.per_request_spec_decode_metrics == "none":
+            return {}
+        return {"metrics": {"speculative_decoding": job.stats.spec_decode()}}
+
     @staticmethod
     def extra(job: Job) -> dict:
         """headstart's own figures of a finished request (the `headstart` field of the answer)."""
@@ -203,6 +212,7 @@ class Completions:
                 "choices": [choice(chat, "".join(parts), value, token_ids=job.token_ids if token_ids else None)],
                 "usage": usage(n_prompt, job.stats.new_tokens),
                 "headstart": self.extra(job),
+                **self.metrics_of(job),
             }
         )
 
@@ -228,9 +238,12 @@ class Completions:
                         "choices": [choice(chat, None, value, first, stream=True)],
                         "headstart": self.extra(job),
                     }
+                    last = {**head, "choices": [], "usage": usage(n_prompt, job.stats.new_tokens)}
+                    with_usage = options is not None and options.include_usage
+                    (last if with_usage else final).update(self.metrics_of(job))  # on the last chunk, as vLLM
                     yield sse(final)
-                    if options is not None and options.include_usage:
-                        yield sse({**head, "choices": [], "usage": usage(n_prompt, job.stats.new_tokens)})
+                    if with_usage:
+                        yield sse(last)
                     status = "200"
                     break
             yield "data: [DONE]\n\n"

@@ -45,8 +45,18 @@ class ServerMetrics:
             buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8),
             registry=r,
         )
+        # speculation as vLLM counts it (vllm:spec_decode_*): a draft is a round with a tree, its draft tokens the
+        # tree's nodes (all verified), position p the nodes accepted at tree depth p + 1
+        self.drafts = Counter("headstart:spec_decode_num_drafts", "rounds that verified a tree", registry=r)
+        self.draft_tokens = Counter("headstart:spec_decode_num_draft_tokens", "tree nodes verified", registry=r)
+        self.accepted_tokens = Counter(
+            "headstart:spec_decode_num_accepted_tokens", "tree nodes accepted (draft tokens kept)", registry=r
+        )
         self.accepted = Counter(
-            "headstart_accepted_draft_tokens", "draft tokens accepted at each tree depth", ["depth"], registry=r
+            "headstart:spec_decode_num_accepted_tokens_per_pos",
+            "tree nodes accepted at each position (position p: tree depth p + 1)",
+            ["position"],
+            registry=r,
         )
         self.rounds = Counter(
             "headstart_rounds", "target passes, speculative (with a tree) or plain", ["mode"], registry=r
@@ -57,8 +67,11 @@ class ServerMetrics:
         self.tokens.inc(stats.new_tokens)
         if stats.target_passes:
             self.acceptance.observe(stats.acceptance_length)
-        for depth, n in enumerate(stats.accepted_per_depth, 1):
-            self.accepted.labels(depth=str(depth)).inc(n)
+        for position, n in enumerate(stats.accepted_per_depth):
+            self.accepted.labels(position=str(position)).inc(n)
+        self.drafts.inc(stats.target_passes - stats.plain_passes)
+        self.draft_tokens.inc(stats.draft_tokens)
+        self.accepted_tokens.inc(sum(stats.accepted_per_depth))
         self.rounds.labels(mode="speculative").inc(stats.target_passes - stats.plain_passes)
         self.rounds.labels(mode="plain").inc(stats.plain_passes)
 

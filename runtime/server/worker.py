@@ -7,9 +7,10 @@ out of time between rounds, so its slot is free again within one round; a job ca
 its queue slot back at once. When the worker thread dies, every job still waiting or decoding gets an error
 and new ones are refused (`WorkerDeadError`): the server answers 503.
 
-Speculation (this round of the server): the engine's drafter serves one job at a time, and drafts only while
-that job decodes alone (a tree beside plain rows would pad every row to its width); the other jobs decode
-plainly beside it. Each job has its own sampling, seed, stop strings, limits and statistics.
+Speculation: each job drafts with its own fork of the engine's drafter (heads shared, state its own) and every
+job's tree is verified in the one batched forward, while at most `speculate_up_to` jobs decode; beyond that the
+round is plain for all of them (a tree beside plain rows would pad every row to its width), and speculation comes
+back when the batch shrinks. Each job has its own sampling, seed, stop strings, limits and statistics.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.gate import AcceptanceGate, GatedDrafter
 from headstart.runtime.engine import Engine, RequestText
 from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
@@ -66,7 +66,8 @@ class Worker:
     """`max_batch`: jobs decoded at once; `kv_budget`: bytes the KV cache may hold (None: no limit); `prefill_chunk`:
     prompt tokens prefilled a round while others decode (None: `generate.PREFILL_CHUNK`);
     `step_aside_queue`: the drafter proposes nothing while more requests than this wait (None: never);
-    `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this."""
+    `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this;
+    `speculate_up_to`: the jobs decoding at once up to which each drafts its tree (0: never)."""
 
     def __init__(
         self,
@@ -79,6 +80,8 @@ class Worker:
         max_batch: int = 1,
         kv_budget: int | None = None,
         prefill_chunk: int | None = None,
+        *,
+        speculate_up_to: int,
     ) -> None:
         self.engine, self.metrics, self.time_limit_s, self.max_queue = engine, metrics, time_limit_s, max_queue
         self.max_batch = max_batch
@@ -97,7 +100,12 @@ class Worker:
         self.running: list[Job] = []
         gate = AcceptanceGate(min_acceptance) if min_acceptance else None
         queue_ok = (lambda: self.queue_depth <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
-        self.drafter = GatedDrafter(engine.drafter, lambda: len(self.batch) == 1 and queue_ok(), gate)
+        self.speculate_up_to = speculate_up_to
+
+        def speculate() -> bool:
+            return len(self.batch.decoding) <= self.speculate_up_to and queue_ok()
+
+        self.drafter = GatedDrafter(engine.drafter, speculate, gate)  # each job decodes with a fork of it
         self.thread = threading.Thread(target=self._run, name="headstart-worker", daemon=True)
         self.stopping = False
         self.stopped = False  # the loop has ended (`serve` returns on the caller's thread, which lives on)
@@ -206,12 +214,11 @@ class Worker:
                 return
             if not self._take(job):
                 continue
-            speculative = not any(j.request.drafter is self.drafter for j in self.running)
             job.deadline = time.perf_counter() + self.time_limit_s
             job.text = RequestText(self.engine.tokenizer, job.stop, self.engine.eos_ids)
             request = Request(
                 job.prompt_ids,
-                self.drafter if speculative else Drafter(),
+                self.drafter.fork(),
                 job.sampling,
                 job.max_tokens,
                 self.engine.eos_ids,

@@ -11,6 +11,7 @@ import pytest
 import uvicorn
 from openai import OpenAI
 
+from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.engine import Engine
 from headstart.runtime.models import load_model
@@ -19,12 +20,15 @@ from headstart.runtime.server.app import ServeConfig, build_app
 NAME = "tiny"
 
 
-class SlowDrafter:
+class SlowDrafter(Drafter):
     """Wraps a drafter; sleeps before each round so a generation is long enough to interrupt."""
 
     def __init__(self, inner, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
         self.name, self.feature_layers = inner.name, inner.feature_layers
+
+    def clear(self) -> None:
+        self.inner = self.inner.fork()
 
     def start(self, *args):
         return self.inner.start(*args)
