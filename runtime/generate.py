@@ -49,6 +49,16 @@ class GenerationStats:
         return self.new_tokens / self.target_passes if self.target_passes else 0.0
 
     @property
+    def spec_steps(self) -> int:
+        """Rounds that verified a tree."""
+        return self.target_passes - self.plain_passes
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Tree nodes accepted, all rounds together."""
+        return sum(self.accepted_per_depth)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
 
@@ -68,7 +78,7 @@ class GenerationStats:
         """vLLM's per-request `metrics.speculative_decoding` summary: a step is a round with a tree, its draft
         tokens are the tree's nodes (all verified in its one forward), its accepted ones the nodes of the path
         (`accepted_per_depth` adds them by tree depth)."""
-        steps, accepted = self.target_passes - self.plain_passes, sum(self.accepted_per_depth)
+        steps, accepted = self.spec_steps, self.accepted_tokens
         return {
             "num_spec_steps": steps,
             "num_draft_tokens": self.draft_tokens,

@@ -113,10 +113,6 @@ class EagleDrafter(SamplingDrafter):
     @torch.inference_mode()
     def _commit(self, features: torch.Tensor, tokens: list[int]) -> None:
         """Pairs (feature(t), token(t+1)) of newly committed positions; sets the root's predicted feature."""
-        if self._pending:  # the rounds since the last proposal, in one head forward with these
-            features = torch.cat([*(f for f, _ in self._pending), features])
-            tokens = [t for _, queued in self._pending for t in queued] + tokens
-            self._pending = []
         past, n = self._committed, len(tokens)
         allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)  # causal over the new entries
         out = self._run_head(features, tokens, torch.arange(past, past + n), allowed)
@@ -142,9 +138,11 @@ class EagleDrafter(SamplingDrafter):
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
         self._drafted = 0
-        if self._pending:
-            features, tokens = self._pending.pop()
-            self._commit(features, tokens)  # with the rest of the queue before it
+        if self._pending:  # the pairs of the rounds since the last proposal, in one head forward
+            features = torch.cat([f for f, _ in self._pending])
+            tokens = [t for _, queued in self._pending for t in queued]
+            self._pending = []
+            self._commit(features, tokens)
         if self._root_feature is None:
             return DraftTree()
         past = self._committed

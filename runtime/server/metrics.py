@@ -69,10 +69,10 @@ class ServerMetrics:
             self.acceptance.observe(stats.acceptance_length)
         for position, n in enumerate(stats.accepted_per_depth):
             self.accepted.labels(position=str(position)).inc(n)
-        self.drafts.inc(stats.target_passes - stats.plain_passes)
+        self.drafts.inc(stats.spec_steps)
         self.draft_tokens.inc(stats.draft_tokens)
-        self.accepted_tokens.inc(sum(stats.accepted_per_depth))
-        self.rounds.labels(mode="speculative").inc(stats.target_passes - stats.plain_passes)
+        self.accepted_tokens.inc(stats.accepted_tokens)
+        self.rounds.labels(mode="speculative").inc(stats.spec_steps)
         self.rounds.labels(mode="plain").inc(stats.plain_passes)
 
     def render(self) -> bytes:
