@@ -14,7 +14,7 @@ the engine, the server, the bench and distillation (`decode_all`) consume it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -153,7 +153,9 @@ class Batch:
     """The decode loop over the sequences in `target`'s slots (at most `target.slots` at once).
 
     `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
-    bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix."""
+    bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
+    `planner`: sizes every decoding sequence's tree before each round, from their drafters and contexts
+    (`runtime/budget.Planner`; None: each drafter drafts what it drafts)."""
 
     def __init__(
         self,
@@ -161,8 +163,9 @@ class Batch:
         prefill_chunk: int | None = None,
         kv_budget: int | None = None,
         prefix: SharedPrefix | None = None,
+        planner: Callable[[list[Drafter], list[list[int]]], object] | None = None,
     ) -> None:
-        self.target, self.kv_budget, self.prefix = target, kv_budget, prefix
+        self.target, self.kv_budget, self.prefix, self.planner = target, kv_budget, prefix, planner
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
         self.decoding: list[Request] = []  # in slots 0, 1, ...
         self.joining: list[Request] = []  # waiting, the first one prefilling in the slot after the decoding ones
@@ -197,6 +200,8 @@ class Batch:
         if not live:
             return []
         target, phases = self.target, Phases()
+        if self.planner is not None:
+            self.planner([r.drafter for r in live], [r.context for r in live])
         trees = [r.drafter.propose(r.context) for r in live]
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()

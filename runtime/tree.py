@@ -68,6 +68,15 @@ class DraftTree:
         mask[0, 0] = True
         return mask
 
+    def prefix(self, n: int) -> DraftTree:
+        """The first `n` nodes: a tree (parents come first), each node keeping its q; siblings past the cut are
+        dropped from the end of their list, which a tree drawn without replacement allows (the ones kept were
+        drawn first)."""
+        if n >= len(self):
+            return self
+        q = None if self.draft_probs is None else self.draft_probs[:n]
+        return DraftTree(self.tokens[:n], self.parents[:n], q)
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node`."""
         path = []

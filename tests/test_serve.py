@@ -439,6 +439,41 @@ def test_requests_in_a_batch_each_draft_their_own_tree(tiny_model_dir, drafter):
             assert spec_busy < 0.75 * spec_alone, (spec_busy, spec_alone)
 
 
+@pytest.mark.parametrize("curve", ["steep", "flat"])
+def test_the_budget_sizes_trees_by_load(tiny_model_dir, monkeypatch, curve):
+    """By default (no switch given) the server sizes every round's trees by the budget, from the batched cost model
+    measured at start (here given): alone a request speculates on either curve; four at once decode plainly
+    while they share the batch on a steep curve (a row costs 5 % of a forward) and keep speculating on a flat
+    one. Every answer is its answer alone."""
+    from headstart.runtime.batch_cost import BatchCost
+    from headstart.runtime.drafters.budgeted import Budgeted
+
+    cost = {"steep": BatchCost(10.0, 0.5, 0.0), "flat": BatchCost(10.0, 0.001, 0.0)}[curve]
+    monkeypatch.setattr("headstart.runtime.server.worker.batch_cost", lambda target, cache: cost)
+    engine = tiny_engine(tiny_model_dir, "lookup")
+    engine.eos_ids = frozenset()
+    live = LiveServer(engine, max_batch=4)
+    try:
+        assert isinstance(live.app.state.worker.drafter, Budgeted)
+        ask = lambda i: live.client().completions.create(  # noqa: E731
+            model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=20, temperature=0
+        ).choices[0].text
+        spec = lambda: live.metric("headstart_rounds_total", mode="speculative")  # noqa: E731
+        plain = lambda: live.metric("headstart_rounds_total", mode="plain")  # noqa: E731
+        alone = [ask(i) for i in range(4)]
+        spec_alone, plain_alone = spec(), plain()
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, range(4)))
+        spec_busy, plain_busy = spec() - spec_alone, plain() - plain_alone
+    finally:
+        live.close()
+    assert together == alone and spec_alone > 0
+    if curve == "steep":
+        assert spec_busy < 0.25 * plain_busy, (spec_busy, plain_busy)
+    else:
+        assert spec_busy == pytest.approx(spec_alone, rel=0.25), (spec_busy, spec_alone)
+
+
 def test_each_answer_carries_its_acceptance_as_vllm_writes_it(tiny_model_dir):
     """--per-request-spec-decode-metrics summary: every answer's `metrics.speculative_decoding` holds vLLM's
     summary (a step is a round with a tree, its draft tokens the tree's nodes), whole and streamed (on the last

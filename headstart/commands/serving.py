@@ -54,7 +54,8 @@ def add_parsers(sub) -> None:
         "--speculate-up-to",
         type=int,
         default=None,
-        help="requests decoding at once up to which each drafts a tree; more decode plainly (default 2; 0: never)",
+        help="a switch instead of the budget: up to this many decoding requests draft their whole trees, more decode "
+        "plainly (0: never; default: every round's trees sized by the budget, docs/tuning.md)",
     )
     sv.add_argument(
         "--step-aside-queue",

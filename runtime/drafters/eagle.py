@@ -30,6 +30,8 @@ counted) and takes the budget, depth or sampled shape the sizer chooses from the
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -37,7 +39,8 @@ from transformers import DynamicCache
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.masks import additive_mask
-from headstart.runtime.cost_curve import LiveSizer, TreeChoice
+from headstart.runtime.budget import Offer
+from headstart.runtime.cost_curve import LiveSizer, TreeChoice, scale_accuracy
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.kernels import prepack_like_target
@@ -77,6 +80,7 @@ class EagleDrafter(SamplingDrafter):
         self._pending: list[tuple[torch.Tensor, list[int]]] = []  # committed pairs not yet in the cache
         self.sizer: LiveSizer | None = None
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
+        self._curve: tuple[tuple, list[tuple[int, ...]], list[Offer]] = ((), [], [])  # (sizer state, shape, offers)
 
     def clear(self) -> None:
         super().clear()
@@ -91,6 +95,36 @@ class EagleDrafter(SamplingDrafter):
             self.shape = list(choice.shape)
         else:
             self.budget, self.depth = choice.budget, choice.depth
+
+    def offers(self, max_nodes: int) -> list[Offer]:
+        """The trees of 1..`max_nodes` nodes this drafter can draft now, each the best of its size
+        (`runtime/budget.py`): node k of the best static tree (`choose_tree_shape`) under the sizer's accuracies,
+        as live traffic corrected them, survives with the product of its path's accuracies; drafting costs the
+        sizer's measured ms per depth. [] without a sizer (heads with no calibrated accuracies)."""
+        s = self.sizer
+        if s is None:
+            return []
+        key = (s.factor[self._samples], self._samples, max_nodes)
+        if self._curve[0] != key:
+            accuracy = scale_accuracy(s.rank_accuracy, key[0])
+            shape = choose_tree_shape(accuracy, max_nodes)
+            offers, gain, depth = [], 0.0, 0
+            for n, path in enumerate(shape, start=1):
+                gain += math.prod(accuracy[d][rank] for d, rank in enumerate(path))
+                depth = max(depth, len(path))
+                offers.append(Offer(n, gain, s.draft_ms * depth, heads=n))
+            self._curve = (key, shape, offers)
+        return self._curve[2]
+
+    def size(self, nodes: int) -> None:
+        """Draft `nodes` nodes at the next `propose` (0: none; the queued pairs wait), the tree of `offers`' size:
+        that budget and depth (greedy), that static shape (sampled)."""
+        self.budget = nodes
+        shape = self._curve[1][:nodes]
+        if shape:
+            self.depth = max(len(path) for path in shape)
+            if self._samples:
+                self.shape = shape
 
     @property
     def _samples(self) -> bool:
@@ -138,6 +172,8 @@ class EagleDrafter(SamplingDrafter):
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
         self._drafted = 0
+        if not self.budget:
+            return DraftTree()
         if self._pending:  # the pairs of the rounds since the last proposal, in one head forward
             features = torch.cat([f for f, _ in self._pending])
             tokens = [t for _, queued in self._pending for t in queued]

@@ -35,7 +35,9 @@ class ServeConfig:
     kv_cache_gb: float = 4.0  # the KV cache's budget; a request waits until it fits
     prefill_chunk: int | None = None  # prompt tokens prefilled a round while others decode (None: the loop's own)
     per_request_spec_decode_metrics: str = "none"  # "summary": each answer's `metrics.speculative_decoding` (vLLM's)
-    speculate_up_to: int = 2  # requests decoding at once up to which each drafts a tree (measured, docs/serving.md)
+    speculate_up_to: int | None = (
+        None  # a switch: up to this many decoding requests draft (None: the budget sizes trees)
+    )
 
 
 class Completions:

@@ -4,7 +4,9 @@
 
 Each client sends `requests_per_client` chat requests one after another (streaming, temperature 0),
 over prompts from a JSONL file. Per level: p50/p95 latency, p50/p95 time to first token, total
-generated tokens/s over the level's wall time, and the mean acceptance length the server reported.
+generated tokens/s over the level's wall time, the mean acceptance length the server reported, and from its
+/metrics (a headstart server's) the share of sequence-rounds that speculated and the tree nodes per speculating
+sequence-round: what the budget chose at that load.
 """
 
 from __future__ import annotations
@@ -87,6 +89,23 @@ def auth(api_key: str | None) -> dict[str, str] | None:
     return {"Authorization": f"Bearer {api_key}"} if api_key else None
 
 
+SPECULATION = {  # /metrics lines a headstart server counts its sequence-rounds and verified nodes under
+    "speculative": 'headstart_rounds_total{mode="speculative"}',
+    "plain": 'headstart_rounds_total{mode="plain"}',
+    "nodes": "headstart:spec_decode_num_draft_tokens_total",
+}
+
+
+def speculation_counts(url: str) -> dict[str, float]:
+    """SPECULATION's counters from the server's /metrics (0 for those it does not have: another engine)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return dict.fromkeys(SPECULATION, 0.0)
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(values.get(key, 0.0)) for name, key in SPECULATION.items()}
+
+
 def run_level(
     url: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, api_key: str | None = None
 ) -> dict:
@@ -97,10 +116,13 @@ def run_level(
                 for i in range(per_client)
             ]
 
+    before = speculation_counts(url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         per_client = list(pool.map(client_job, range(clients)))
     wall = time.perf_counter() - t0
+    after = speculation_counts(url)
+    spec, plain, nodes = (after[k] - before[k] for k in ("speculative", "plain", "nodes"))
     results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r["status"] == 200]
     lat, ttft = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]
@@ -119,6 +141,8 @@ def run_level(
         "p95_request_tokens_per_s": percentile(rate, 0.95),
         "wall_s": wall,
         "acceptance_length": statistics.fmean(r["acceptance_length"] for r in ok) if ok else 0.0,
+        "speculated_share": spec / (spec + plain) if spec + plain else 0.0,
+        "nodes_per_speculating": nodes / spec if spec else 0.0,
     }
 
 
@@ -135,6 +159,8 @@ COLUMNS = [
     ("p50_request_tokens_per_s", "p50 tok/s per request", "{:.1f}"),
     ("p95_request_tokens_per_s", "p95 tok/s per request", "{:.1f}"),
     ("acceptance_length", "tau", "{:.2f}"),
+    ("speculated_share", "speculated", "{:.0%}"),
+    ("nodes_per_speculating", "nodes", "{:.1f}"),
 ]
 
 

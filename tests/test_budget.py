@@ -1,0 +1,177 @@
+"""The budget (runtime/budget.py): each round's allocation of tree nodes across a batch is the brute-force optimum
+of expected tokens per ms; it falls to plain decoding as the batch grows on a steep cost curve and keeps trees on
+a flat one; the batched cost model (runtime/batch_cost.py) fits what it measures; a sequence sized by the budget
+keeps its greedy tokens and its tree never exceeds the width paid for."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from headstart.runtime.batch_cost import BatchCost, fit_batch_cost, measure_batch_cost
+from headstart.runtime.budget import Offer, Planner, allocate, expected_rate
+from headstart.runtime.drafters.budgeted import Budgeted
+from headstart.runtime.drafters.graft import LookupGraft
+from headstart.runtime.drafters.lookup import LookupDrafter
+from headstart.runtime.generate import Batch, Request
+from headstart.runtime.target import Target
+from headstart.runtime.tree import DraftTree
+from helpers.models import tiny_llama
+
+
+def eagle_like(survival: float, nodes: int, ms_per_depth: float) -> list[Offer]:
+    """Offers of 1..nodes nodes: a chain-ish tree whose k-th node survives with survival ** (1 + k // 2)."""
+    offers, gain = [], 0.0
+    for n in range(1, nodes + 1):
+        gain += survival ** (1 + (n - 1) // 2)
+        offers.append(Offer(n, gain, ms_per_depth * (1 + (n - 1) // 2), heads=n))
+    return offers
+
+
+def brute_force(offers: list[list[Offer]], longest: int, cost: BatchCost) -> float:
+    """The best expected rate over every combination of one offer (or none) per sequence."""
+    return max(
+        expected_rate(list(picks), longest, cost) for picks in itertools.product(*[[None, *own] for own in offers])
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_allocation_is_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    cost = BatchCost(rng.uniform(5, 40), rng.uniform(0.05, 4), rng.uniform(0, 0.01))
+    batch = rng.randint(1, 3)
+    offers = []
+    for _ in range(batch):
+        n, gain, own = rng.randint(0, 8), 0.0, []
+        for k in range(1, n + 1):
+            gain += rng.uniform(0, 1) * 0.9**k  # any gains, not only concave ones
+            own.append(Offer(k, gain, rng.choice([0.0, rng.uniform(0, 15)])))
+        offers.append(rng.sample(own, len(own)))  # in any order
+    longest = rng.randint(10, 600)
+    width, picks = allocate(offers, longest, cost)
+    assert expected_rate(picks, longest, cost) == pytest.approx(brute_force(offers, longest, cost), rel=1e-9)
+    assert width == max((o.nodes for o in picks if o is not None), default=0)
+    assert all(o is None or o in own for o, own in zip(picks, offers, strict=True))
+
+
+def test_a_steep_curve_falls_to_plain_as_the_batch_grows_and_a_flat_one_keeps_trees():
+    """A 2-core CPU's float32 curve (a row ~9 % of a one-row forward, drafting one sequence after another, 3 ms a
+    depth) against a GPU's (rows almost free, drafting batched): the same heads (survival 0.7)."""
+    steep, flat = (BatchCost(50.0, 4.5, 0.002), 3.0), (BatchCost(20.0, 0.005, 0.0), 0.2)
+    sizes = (1, 2, 4, 8, 16, 32)
+    nodes = {}
+    for name, (cost, draft_ms) in (("steep", steep), ("flat", flat)):
+        for b in sizes:
+            _, picks = allocate([eagle_like(0.7, 16, draft_ms)] * b, 300, cost)
+            nodes[name, b] = [0 if o is None else o.nodes for o in picks]
+    per_sequence = [max(nodes["steep", b]) for b in sizes]
+    assert per_sequence[0] > 0 and per_sequence[-2:] == [0, 0], per_sequence  # plain batched decoding by itself
+    assert all(x >= y for x, y in itertools.pairwise(per_sequence)), per_sequence  # never more as the batch grows
+    assert all(min(nodes["flat", b]) >= 4 for b in sizes), nodes  # every sequence keeps a tree
+
+
+def test_the_cost_model_is_fitted_from_its_points():
+    truth = BatchCost(12.0, 0.8, 0.004)
+    points = [(s, w, k, truth.forward_ms(s, w, k)) for s in (1, 2, 4, 8) for w in (0, 3, 7) for k in (64, 320)]
+    fit = fit_batch_cost(points)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((12.0, 0.8, 0.004), rel=1e-6) and fit.worst_error < 1e-9
+    no_keys = fit_batch_cost([(s, w, k, 5.0 + s * (w + 1)) for s, w, k, _ in points])  # c would come out < 0 or 0
+    assert no_keys.c >= 0 and no_keys.a >= 0 and no_keys.b >= 0
+
+
+def test_the_cost_model_is_measured_on_the_target_and_leaves_its_cache_empty():
+    torch.manual_seed(0)
+    target = Target(tiny_llama(), slots=4)
+    cost = measure_batch_cost(target, reps=2)
+    assert min(cost.a, cost.b, cost.c) >= 0 and cost.forward_ms(4, 7, 300) >= cost.forward_ms(1, 0, 64) > 0
+    assert cost.worst_error >= 0 and target.lengths == [0, 0, 0, 0] and target.cache.nbytes() == 0
+
+
+class Wide(LookupDrafter):
+    """Proposes a wide tree of every token after the root (what the budget must cut to its width)."""
+
+    def propose(self, context):
+        return DraftTree(list(range(12)), [-1] * 12)
+
+
+class Recorded(Budgeted):
+    """Budgeted, noting each speculative round's (tree nodes, the nodes its plan paid for)."""
+
+    def clear_record(self) -> None:
+        super().clear_record()
+        self.widths: list[tuple[int, int]] = []
+
+    def propose(self, context):
+        tree = super().propose(context)
+        if len(tree):
+            self.widths.append((len(tree), self.plan.nodes))
+        return tree
+
+
+def test_budgeted_sequences_keep_their_greedy_tokens_and_the_width_paid_for():
+    """Three greedy sequences, each a Budgeted drafter (lookup grafted on a wide tree), planned every round on a
+    cost curve that makes some nodes pay: every sequence's tokens are its plain greedy decode's, no tree is wider
+    than the plan the round gave it, and some rounds speculate."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    prompts = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2, 4, 9, 9, 2], [1, 6, 6, 1, 6]]
+
+    def decode(drafter_for, planner) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        batch = Batch(Target(model, slots=3), planner=planner)
+        requests = [batch.add(Request(p, drafter_for(), max_new_tokens=24)) for p in prompts]
+        while len(batch):
+            batch.round()
+        widths = [w for r in requests for w in r.drafter.widths]
+        return [r.context[len(r.prompt_ids) :] for r in requests], widths
+
+    plain, none = decode(lambda: Recorded(LookupDrafter()), Planner(BatchCost(1e9, 1e9, 0.0)))  # nothing pays
+    planned, widths = decode(lambda: Recorded(LookupGraft(Wide())), Planner(BatchCost(30.0, 0.4, 0.0)))
+    assert none == [] and planned == plain
+    assert widths and all(n <= paid for n, paid in widths), widths
+
+
+def test_sampling_sized_by_the_budget_follows_the_target():
+    """3,000 runs of one prompt at T > 0, each a Budgeted EAGLE+lookup drafter (random heads, sampled trees of
+    the size the budget gives, a live sizer shared by every run and changing with what they accept) decoded beside
+    two other Budgeted sequences: the joint of its first three tokens is the target's. The plan depends on past
+    rounds only; the cost model makes the allocation change with the batch (trees for some, plain for others)."""
+    from headstart.runtime.cost_curve import LiveSizer
+    from headstart.runtime.drafters.base import Drafter
+    from headstart.runtime.drafters.eagle import EagleDrafter
+    from headstart.runtime.sampling import SamplingParams
+    from helpers.exactness import SAMPLING, first_three_joint, random_heads, sampling_model
+    from helpers.stats import chi_square_pvalue
+
+    model = sampling_model()
+    accuracy = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
+    eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
+    eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
+    planner = Planner(BatchCost(10.0, 0.6, 0.001))
+    prompt = [1, 5, 2, 7]
+    joint = first_three_joint(model, prompt, SAMPLING)
+    target = Target(model, slots=6)
+    vocab = model.config.vocab_size
+    counts = torch.zeros(vocab, vocab, vocab)
+    sizes: set[int] = set()
+    runs = 3000
+    for b in range(runs // 4):
+        batch = Batch(target, planner=planner)
+        ours = [Request(prompt, Budgeted(LookupGraft(eagle.fork())), SAMPLING, 3, seed=4 * b + i) for i in range(4)]
+        others = [
+            Request([3, 3, 1], Budgeted(LookupGraft(eagle.fork())), SamplingParams(0.9), 4, seed=10**6 + b),
+            Request([1, 5, 2, 1, 5], Budgeted(Drafter()), SAMPLING, 2, seed=b),
+        ]
+        for r in [ours[0], others[0], ours[1], ours[2], others[1], ours[3]]:
+            batch.add(r)
+        while len(batch):
+            batch.round()
+            sizes.update(0 if r.drafter.plan is None else r.drafter.plan.nodes for r in ours)
+        for r in ours:
+            a, b_, c = r.context[len(prompt) : len(prompt) + 3]
+            counts[a, b_, c] += 1
+    assert len(sizes) >= 3, sizes  # plain rounds and trees of several sizes were drawn
+    assert int(counts[joint == 0].sum()) == 0
+    assert chi_square_pvalue(counts, joint) > 1e-3
