@@ -4,7 +4,8 @@ On a 2-core machine a benchmark beside a training run measures nothing. Long job
 `headstart distill`) `register()` themselves: a pid file under `~/.cache/headstart/background/`, removed when
 they exit. `paused()` stops every registered job that is still alive (SIGSTOP) for the length of a
 measurement and continues it after (SIGCONT), even when the measurement raises; `headstart bench` and the
-`make bench-*` scripts measure inside it.
+`make bench-*` scripts measure inside it. A job already stopped (another measurement paused it, in this
+process or another: a bench that starts a server which measures its own costs) is left to whoever stopped it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (its /proc state letter is T); False where there is no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+    except (OSError, IndexError):
+        return False
+
+
 def registered() -> list[dict]:
     """The registered jobs still alive (pid files of dead ones are removed)."""
     jobs = []
@@ -65,8 +74,9 @@ def registered() -> list[dict]:
 
 @contextlib.contextmanager
 def paused(quiet: bool = False) -> Iterator[list[dict]]:
-    """Stop the registered background jobs while the block runs; continue them after it (whatever happens)."""
-    jobs = registered()
+    """Stop the registered background jobs while the block runs; continue them after it (whatever happens). Jobs
+    stopped already stay as they are: the measurement that stopped them continues them."""
+    jobs = [job for job in registered() if not _stopped(int(job["pid"]))]
     stopped = []
     try:
         for job in jobs:

@@ -57,6 +57,19 @@ def test_a_registered_job_stops_while_measuring_and_continues_after(job):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_measurement_inside_another_leaves_the_job_to_the_outer_one(job):
+    """A bench pauses the training, then starts a server that measures its costs inside a pause of its own: the
+    inner pause must not continue the training while the bench still measures."""
+    with background.paused(quiet=True):
+        assert wait_for(job.pid, "T") == "T"
+        with background.paused(quiet=True) as inner:
+            assert inner == []
+        time.sleep(0.05)
+        assert state(job.pid) == "T"
+    assert wait_for(job.pid, "RS") in "RS"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
 def test_a_failing_measurement_still_continues_the_job(job):
     with pytest.raises(RuntimeError), background.paused(quiet=True):
         assert wait_for(job.pid, "T") == "T"
