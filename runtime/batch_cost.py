@@ -2,16 +2,18 @@
 (`runtime/budget.py`).
 
 `Target.verify_batch` pads every sequence's rows to the widest tree's, so a forward over B sequences at width w
-(draft nodes) feeds R = B * (w + 1) rows, and each row attends K = (the longest cached sequence) + w + 1 keys:
+(draft nodes) feeds R = B * (w + 1) rows, and each row attends the keys of its own sequence, about K = the longest
+cached sequence:
 
-    ms = a + b * R + c * R * K
+    ms = rows(R) + d * B + c * R * (K - PAST0)
 
-a: what a forward costs whatever it feeds (the Python, the kernels' launches, the weights read once); b: a row
-through the linear layers and the lm_head; c: a row's attention over one key. `measure_batch_cost` times the
-target's own forward over a grid of B, w and cached lengths (a few seconds), fits a, b, c by least squares
-(none negative) and keeps the fit's worst relative error over the grid beside them, so a curve that the model
-does not describe shows. Cached per model, device, dtype, kernels and torch, as the batch-1 curve is
-(`cost_curve._key`).
+rows(R): the rows' share of the forward, linear between the row counts measured (on a CPU far from linear in R:
+16 rows cost ~1.5x one row in bfloat16, the weights read once for all of them); d: a sequence's own share (its
+mask, its attention call); c: one row's attention over one more cached key than PAST0. `measure_batch_cost` times
+the target's own forward over a grid of B, w and cached lengths (seconds), fits all three by least squares (no
+term negative) and keeps the model's worst relative error over the grid beside them, so a machine the model
+does not describe shows.
+Cached per model, device, dtype, kernels and torch, as the batch-1 curve is (`cost_curve._key`).
 """
 
 from __future__ import annotations
@@ -24,48 +26,75 @@ from pathlib import Path
 
 import torch
 
-from headstart.runtime.cost_curve import _cached, _key
+from headstart.runtime.cost_curve import _cached, _key, cost_at
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 
 SEQUENCES = (1, 2, 4, 8, 16)  # batch sizes timed (those that fit the target's slots)
-WIDTHS = (0, 3, 7, 15)  # draft nodes per sequence timed
-PASTS = (64, 320)  # cached tokens per sequence timed
+WIDTHS = (0, 1, 3, 7, 15)  # draft nodes per sequence timed
+PASTS = (64, 320)  # cached tokens per sequence timed; the first is PAST0
 MAX_ROWS = 128  # grid points feeding more rows are skipped (they would take most of the time)
-MODEL_VERSION = 1  # raise when the model or the grid changes, so that cached fits are measured again
+MODEL_VERSION = 3  # raise when the model or the grid changes, so that cached fits are measured again
 
 
 @dataclass(frozen=True)
 class BatchCost:
-    """ms of one batched verify forward: a + b * rows + c * rows * keys (module docstring)."""
+    """ms of one batched verify forward: rows(R) + d * B + c * R * (K - PASTS[0]) (module docstring)."""
 
-    a: float
-    b: float
-    c: float
-    worst_error: float = 0.0  # the fit's largest |model - measured| / measured over the grid it was fitted on
+    rows: dict[int, float]  # R -> ms of the rows' share of a forward over R rows (two points at least)
+    c: float  # ms per row and cached key beyond PASTS[0]
+    d: float = 0.0  # ms per sequence fed (its mask, its own attention call's share)
+    worst_error: float = 0.0  # the model's largest |model - measured| / measured over the grid it was fitted on
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", {int(r): float(ms) for r, ms in sorted(self.rows.items())})
+
+    @classmethod
+    def linear(cls, a: float, b: float, c: float) -> BatchCost:
+        """a + b * R + c * R * (K - PASTS[0]): a straight row curve (tests, synthetic machines)."""
+        return cls({1: a + b, 2: a + 2 * b}, c)
 
     def forward_ms(self, sequences: int, width: int, longest: int) -> float:
         """`sequences` sequences at `width` draft nodes each, the longest holding `longest` cached tokens."""
         rows = sequences * (width + 1)
-        return self.a + self.b * rows + self.c * rows * (longest + width + 1)
+        return cost_at(self.rows, rows) + self.d * sequences + self.c * rows * max(longest - PASTS[0], 0)
 
 
 def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
-    """Least squares a, b, c (none negative) over (sequences, width, longest, ms) points."""
-    x = torch.tensor(
-        [[1.0, s * (w + 1), s * (w + 1) * (k + w + 1)] for s, w, k, _ in points], dtype=torch.float64
-    )  # (P, 3)
+    """The model from (sequences, width, cached tokens, ms) points, by least squares with no term negative: rows(R)
+    linear between the row counts measured (one unknown per count, hat functions), d per sequence, c per row and
+    key beyond the shortest past; rows(R) then made non-decreasing (a dearer point of fewer rows is noise)."""
+    short = min(k for *_, k, _ in points)
+    knots = sorted({s * (w + 1) for s, w, _, _ in points})
+    if len(knots) == 1:
+        knots.append(knots[0] + 1)
+
+    def basis(s: int, w: int, k: int) -> list[float]:
+        r, hat = s * (w + 1), [0.0] * len(knots)
+        for i, (r0, r1) in enumerate(itertools.pairwise(knots)):
+            if r0 <= r <= r1:
+                hat[i], hat[i + 1] = (r1 - r) / (r1 - r0), (r - r0) / (r1 - r0)
+                break
+        return [*hat, float(s), float(r * (k - short))]
+
+    x = torch.tensor([basis(s, w, k) for s, w, k, _ in points], dtype=torch.float64)  # (P, knots + 2)
     y = torch.tensor([ms for *_, ms in points], dtype=torch.float64)  # (P,)
-    keep = [0, 1, 2]
-    while True:  # drop a term whose coefficient comes out negative and refit without it
+    keep = list(range(x.shape[1]))
+    while True:  # drop the most negative term and refit without it, until none is negative
         coef = torch.linalg.lstsq(x[:, keep], y[:, None]).solution[:, 0]
-        if (coef >= 0).all() or len(keep) == 1:
+        if (coef >= 0).all():
             break
         keep.pop(int(coef.argmin()))
-    full = torch.zeros(3, dtype=torch.float64)
-    full[keep] = coef.clamp(min=0)
-    worst = ((x @ full - y).abs() / y).max().item()
-    return BatchCost(*(float(v) for v in full), worst_error=worst)
+    full = torch.zeros(x.shape[1], dtype=torch.float64)
+    full[keep] = coef
+    cheapest, rows = float("inf"), {}
+    for r, ms in sorted(zip(knots, full[: len(knots)].tolist(), strict=True), reverse=True):
+        cheapest = min(cheapest, ms)
+        rows[r] = cheapest
+    d, c = float(full[-2]), float(full[-1])
+    model = BatchCost(rows, c, d)
+    worst = max(abs(model.forward_ms(s, w, k - short + PASTS[0]) - ms) / ms for s, w, k, ms in points)
+    return BatchCost(rows, c, d, worst)
 
 
 @torch.inference_mode()
@@ -118,7 +147,7 @@ def batch_cost(target: Target, cache: Path | None) -> BatchCost:
         with background.paused():
             return asdict(measure_batch_cost(target))
 
-    return BatchCost(**_cached(path, measure))
+    return BatchCost(**_cached(path, measure))  # JSON keys are strings: __post_init__ makes them ints again
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - t0
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model} {args.dtype}, "
-        f"kernels {target.packed.kind} ({seconds:.0f} s): ms = {cost.a:.2f} + {cost.b:.4f} * rows + "
-        f"{cost.c:.6f} * rows * keys, worst error {cost.worst_error:.0%}"
+        f"kernels {target.packed.kind} ({seconds:.0f} s): ms at R rows "
+        + ", ".join(f"{r}: {ms:.1f}" for r, ms in cost.rows.items())
+        + f"; + {cost.d:.2f} * sequences + {cost.c:.6f} * R * (cached keys - {PASTS[0]}); "
+        f"worst error {cost.worst_error:.0%}"
     )
     print("| sequences | draft nodes each | cached tokens | measured ms | model ms |\n|---|---|---|---|---|")
     for s, w, k, ms in points:

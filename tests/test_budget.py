@@ -41,7 +41,7 @@ def brute_force(offers: list[list[Offer]], longest: int, cost: BatchCost) -> flo
 @pytest.mark.parametrize("seed", range(40))
 def test_the_allocation_is_the_brute_force_optimum(seed):
     rng = random.Random(seed)
-    cost = BatchCost(rng.uniform(5, 40), rng.uniform(0.05, 4), rng.uniform(0, 0.01))
+    cost = BatchCost.linear(rng.uniform(5, 40), rng.uniform(0.05, 4), rng.uniform(0, 0.01))
     batch = rng.randint(1, 3)
     offers = []
     for _ in range(batch):
@@ -60,7 +60,7 @@ def test_the_allocation_is_the_brute_force_optimum(seed):
 def test_a_steep_curve_falls_to_plain_as_the_batch_grows_and_a_flat_one_keeps_trees():
     """A 2-core CPU's float32 curve (a row ~9 % of a one-row forward, drafting one sequence after another, 3 ms a
     depth) against a GPU's (rows almost free, drafting batched): the same heads (survival 0.7)."""
-    steep, flat = (BatchCost(50.0, 4.5, 0.002), 3.0), (BatchCost(20.0, 0.005, 0.0), 0.2)
+    steep, flat = (BatchCost.linear(50.0, 4.5, 0.002), 3.0), (BatchCost.linear(20.0, 0.005, 0.0), 0.2)
     sizes = (1, 2, 4, 8, 16, 32)
     nodes = {}
     for name, (cost, draft_ms) in (("steep", steep), ("flat", flat)):
@@ -74,19 +74,22 @@ def test_a_steep_curve_falls_to_plain_as_the_batch_grows_and_a_flat_one_keeps_tr
 
 
 def test_the_cost_model_is_fitted_from_its_points():
-    truth = BatchCost(12.0, 0.8, 0.004)
-    points = [(s, w, k, truth.forward_ms(s, w, k)) for s in (1, 2, 4, 8) for w in (0, 3, 7) for k in (64, 320)]
-    fit = fit_batch_cost(points)
-    assert (fit.a, fit.b, fit.c) == pytest.approx((12.0, 0.8, 0.004), rel=1e-6) and fit.worst_error < 1e-9
-    no_keys = fit_batch_cost([(s, w, k, 5.0 + s * (w + 1)) for s, w, k, _ in points])  # c would come out < 0 or 0
-    assert no_keys.c >= 0 and no_keys.a >= 0 and no_keys.b >= 0
+    """A concave row curve (16 rows ~1.6x one), a per-sequence share and an attention term: the fit gives all three
+    back from the grid's points."""
+    true_rows = {1: 40.0, 2: 41.0, 4: 43.0, 8: 50.0, 16: 64.0, 32: 100.0, 64: 170.0, 128: 320.0}
+    truth = BatchCost(true_rows, 0.002, 0.7)
+    grid = [(s, w, k) for s in (1, 2, 4, 8, 16) for w in (0, 1, 3, 7) for k in (64, 320) if s * (w + 1) <= 128]
+    fit = fit_batch_cost([(s, w, k, truth.forward_ms(s, w, k)) for s, w, k in grid])
+    assert fit.rows == pytest.approx(true_rows, rel=1e-6)
+    assert (fit.c, fit.d) == pytest.approx((0.002, 0.7), rel=1e-6) and fit.worst_error < 1e-9
+    assert BatchCost.linear(12.0, 0.8, 0.004).forward_ms(3, 4, 164) == pytest.approx(12 + 0.8 * 15 + 0.004 * 15 * 100)
 
 
 def test_the_cost_model_is_measured_on_the_target_and_leaves_its_cache_empty():
     torch.manual_seed(0)
     target = Target(tiny_llama(), slots=4)
     cost = measure_batch_cost(target, reps=2)
-    assert min(cost.a, cost.b, cost.c) >= 0 and cost.forward_ms(4, 7, 300) >= cost.forward_ms(1, 0, 64) > 0
+    assert min(cost.rows.values()) > 0 and cost.c >= 0 and cost.forward_ms(4, 7, 300) >= cost.forward_ms(1, 0, 64) > 0
     assert cost.worst_error >= 0 and target.lengths == [0, 0, 0, 0] and target.cache.nbytes() == 0
 
 
@@ -127,8 +130,8 @@ def test_budgeted_sequences_keep_their_greedy_tokens_and_the_width_paid_for():
         widths = [w for r in requests for w in r.drafter.widths]
         return [r.context[len(r.prompt_ids) :] for r in requests], widths
 
-    plain, none = decode(lambda: Recorded(LookupDrafter()), Planner(BatchCost(1e9, 1e9, 0.0)))  # nothing pays
-    planned, widths = decode(lambda: Recorded(LookupGraft(Wide())), Planner(BatchCost(30.0, 0.4, 0.0)))
+    plain, none = decode(lambda: Recorded(LookupDrafter()), Planner(BatchCost.linear(1e9, 1e9, 0.0)))  # nothing pays
+    planned, widths = decode(lambda: Recorded(LookupGraft(Wide())), Planner(BatchCost.linear(30.0, 0.4, 0.0)))
     assert none == [] and planned == plain
     assert widths and all(n <= paid for n, paid in widths), widths
 
@@ -149,7 +152,7 @@ def test_sampling_sized_by_the_budget_follows_the_target():
     accuracy = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
     eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
     eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
-    planner = Planner(BatchCost(10.0, 0.6, 0.001))
+    planner = Planner(BatchCost.linear(10.0, 0.6, 0.001))
     prompt = [1, 5, 2, 7]
     joint = first_three_joint(model, prompt, SAMPLING)
     target = Target(model, slots=6)

@@ -448,16 +448,20 @@ def test_the_budget_sizes_trees_by_load(tiny_model_dir, monkeypatch, curve):
     from headstart.runtime.batch_cost import BatchCost
     from headstart.runtime.drafters.budgeted import Budgeted
 
-    cost = {"steep": BatchCost(10.0, 0.5, 0.0), "flat": BatchCost(10.0, 0.001, 0.0)}[curve]
+    cost = {"steep": BatchCost.linear(10.0, 0.5, 0.0), "flat": BatchCost.linear(10.0, 0.001, 0.0)}[curve]
     monkeypatch.setattr("headstart.runtime.server.worker.batch_cost", lambda target, cache: cost)
     engine = tiny_engine(tiny_model_dir, "lookup")
     engine.eos_ids = frozenset()
     live = LiveServer(engine, max_batch=4)
     try:
         assert isinstance(live.app.state.worker.drafter, Budgeted)
-        ask = lambda i: live.client().completions.create(  # noqa: E731
-            model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=20, temperature=0
-        ).choices[0].text
+
+        def ask(i: int) -> str:
+            out = live.client().completions.create(
+                model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=20, temperature=0
+            )
+            return out.choices[0].text
+
         spec = lambda: live.metric("headstart_rounds_total", mode="speculative")  # noqa: E731
         plain = lambda: live.metric("headstart_rounds_total", mode="plain")  # noqa: E731
         alone = [ask(i) for i in range(4)]
