@@ -28,6 +28,8 @@ from typing import Protocol
 
 from headstart.runtime.batch_cost import BatchCost
 
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)  # the widths a round may pad to
+
 
 @dataclass(frozen=True)
 class Offer:
@@ -41,14 +43,17 @@ class Offer:
 
 
 def allocate(offers: Sequence[Sequence[Offer]], longest: int, cost: BatchCost) -> tuple[int, list[Offer | None]]:
-    """The width and each sequence's offer (None: plain) with the most expected tokens per ms (module docstring).
-    `longest`: the most tokens a sequence of the batch holds in the cache."""
+    """The width and each sequence's offer (None: plain) with the most expected tokens per ms (module docstring),
+    the width one of WIDTHS or the widest offer. `longest`: the most tokens a sequence of the batch holds in the
+    cache."""
     b = len(offers)
     best_rate, best = b / cost.forward_ms(b, 0, longest), (0, [None] * b)
-    for width in sorted({o.nodes for own in offers for o in own if o.nodes > 0}):
+    offered = {o.nodes for own in offers for o in own if o.nodes > 0}
+    for width in sorted(offered & set(WIDTHS) | ({max(offered)} if offered else set())):
         forward = cost.forward_ms(b, width, longest)
         fits = [[o for o in own if 0 < o.nodes <= width] for own in offers]
-        rate, plan = b / forward, [None] * b
+        # from the best rate so far: a width that cannot beat it stops at the first step
+        rate, plan = max(best_rate, b / forward), [None] * b
         while True:  # Dinkelbach: the offers that beat `rate`, until none does
             picks = [max(own, key=lambda o: o.gain - rate * o.draft_ms, default=None) for own in fits]
             picks = [o if o is not None and o.gain - rate * o.draft_ms > 0 else None for o in picks]

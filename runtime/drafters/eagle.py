@@ -47,6 +47,8 @@ from headstart.runtime.kernels import prepack_like_target
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, choose_tree_shape
 
+OFFERED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # the tree sizes `offers` offers (the budget's choice)
+
 
 class EagleDrafter(SamplingDrafter):
     name = "eagle"
@@ -112,7 +114,8 @@ class EagleDrafter(SamplingDrafter):
             for n, path in enumerate(shape, start=1):
                 gain += math.prod(accuracy[d][rank] for d, rank in enumerate(path))
                 depth = max(depth, len(path))
-                offers.append(Offer(n, gain, s.draft_ms * depth, heads=n))
+                if n in OFFERED or n == len(shape):
+                    offers.append(Offer(n, gain, s.draft_ms * depth, heads=n))
             self._curve = (key, shape, offers)
         return self._curve[2]
 
