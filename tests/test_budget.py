@@ -55,6 +55,10 @@ def test_the_allocation_is_the_brute_force_optimum(seed):
     assert expected_rate(picks, longest, cost) == pytest.approx(brute_force(offers, longest, cost), rel=1e-9)
     assert width == max((o.nodes for o in picks if o is not None), default=0)
     assert all(o is None or o in own for o, own in zip(picks, offers, strict=True))
+    plain = len(offers) / cost.forward_ms(len(offers), 0, longest)
+    _, careful = allocate(offers, longest, cost, margin=0.2)  # speculates only for 20 % more than plain
+    rate = expected_rate(careful, longest, cost)
+    assert (not any(careful) and brute_force(offers, longest, cost) <= 1.2 * plain * (1 + 1e-9)) or rate > 1.2 * plain
 
 
 def test_a_steep_curve_falls_to_plain_as_the_batch_grows_and_a_flat_one_keeps_trees():
