@@ -11,8 +11,8 @@ rows(R): the rows' share of the forward, linear between the row counts measured 
 16 rows cost ~1.5x one row in bfloat16, the weights read once for all of them); d: a sequence's own share (its
 mask, its attention call); c: one row's attention over one more cached key than PAST0. `measure_batch_cost` times
 the target's own forward over a grid of B, w and cached lengths (seconds), fits all three by least squares (no
-term negative) and keeps the model's worst relative error over the grid beside them, so a machine the model
-does not describe shows.
+term negative) and keeps the model's worst relative error over the grid beside them, and at each batch size
+measured (the budget's margin at that size), so a machine the model does not describe shows.
 Cached per model, device, dtype, kernels and torch, as the batch-1 curve is (`cost_curve._key`).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ SEQUENCES = (1, 2, 4, 8, 16)  # batch sizes timed (those that fit the target's s
 WIDTHS = (0, 1, 3, 7, 15)  # draft nodes per sequence timed
 PASTS = (64, 320)  # cached tokens per sequence timed; the first is PAST0
 MAX_ROWS = 128  # grid points feeding more rows are skipped (they would take most of the time)
-MODEL_VERSION = 3  # raise when the model or the grid changes, so that cached fits are measured again
+MODEL_VERSION = 4  # raise when the model or the grid changes, so that cached fits are measured again
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,18 @@ class BatchCost:
     c: float  # ms per row and cached key beyond PASTS[0]
     d: float = 0.0  # ms per sequence fed (its mask, its own attention call's share)
     worst_error: float = 0.0  # the model's largest |model - measured| / measured over the grid it was fitted on
+    errors: dict[int, float] = field(default_factory=dict)  # sequences -> the largest error at that many
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", {int(r): float(ms) for r, ms in sorted(self.rows.items())})
+        object.__setattr__(self, "errors", {int(s): float(e) for s, e in sorted(self.errors.items())})
+
+    def error(self, sequences: int) -> float:
+        """The model's largest relative error at `sequences` sequences: at the fewest measured that many or more
+        (the largest measured beyond them), `worst_error` where no count was measured apart."""
+        if not self.errors:
+            return self.worst_error
+        return next((e for s, e in self.errors.items() if s >= sequences), self.errors[max(self.errors)])
 
     @classmethod
     def linear(cls, a: float, b: float, c: float) -> BatchCost:
@@ -93,8 +102,10 @@ def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
         rows[r] = cheapest
     d, c = float(full[-2]), float(full[-1])
     model = BatchCost(rows, c, d)
-    worst = max(abs(model.forward_ms(s, w, k - short + PASTS[0]) - ms) / ms for s, w, k, ms in points)
-    return BatchCost(rows, c, d, worst)
+    errors: dict[int, float] = {}
+    for s, w, k, ms in points:
+        errors[s] = max(errors.get(s, 0.0), abs(model.forward_ms(s, w, k - short + PASTS[0]) - ms) / ms)
+    return BatchCost(rows, c, d, max(errors.values()), errors)
 
 
 @torch.inference_mode()

@@ -47,6 +47,7 @@ class Budgeted(Drafter):
         self.graft_seen = [0, 0]  # grafted rounds, grafted nodes accepted
         self.other_seen = [0, 0, 0, 0.0]  # rounds, nodes, accepted nodes, drafting seconds
         self._branches: tuple[int, list[list[int]]] = (-1, [])  # (context length, lookup branches found there)
+        self._own: tuple[tuple, list[Offer]] = ((), [])  # (curve and correction, the heads' offers)
         # this round: the heads' nodes drafted, the curve's expectation of them, lookup grafted, drafting seconds
         self._round: tuple[int, float, bool, float] | None = None
 
@@ -76,7 +77,10 @@ class Budgeted(Drafter):
         if curve:
             accepted, expected = self.curve_seen
             rho = (PRIOR + accepted) / (PRIOR + expected)
-            own = [Offer(o.nodes, min(o.gain * rho, o.nodes), o.draft_ms, heads=o.nodes) for o in curve]
+            if self._own[0] != (id(curve), rho):  # the same until the curve or this request's record changes
+                own = [Offer(o.nodes, min(o.gain * rho, o.nodes), o.draft_ms, heads=o.nodes) for o in curve]
+                self._own = ((id(curve), rho), own)
+            own = self._own[1]
         else:
             rounds, nodes, accepted, seconds = self.other_seen
             n = max(round((OTHER_PRIOR[0] + nodes) / (1 + rounds)), 1)
