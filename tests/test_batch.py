@@ -169,8 +169,8 @@ def test_stats_of_a_sequence_in_a_batch():
 
 
 def test_join_gap_measures_the_rounds_around_a_join():
+    from headstart.runtime.apps.join_gap import gaps
     from headstart.runtime.engine import Engine
-    from headstart.runtime.join_gap import gaps
     from helpers.models import tiny_tokenizer
 
     engine = Engine(_model().float(), tiny_tokenizer(), prepack=False)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from headstart.cli import main
-from headstart.runtime import bench
+from headstart.runtime.apps import bench, bench_report
 from headstart.runtime.engine import Engine
 
 
@@ -51,10 +51,10 @@ def test_bench_records_and_tables(tiny_model_dir, tmp_path):
     assert overall["lookup"]["acceptance_length"] == pytest.approx(
         sum(r.new_tokens for r in greedy if r.method == "lookup") / passes
     )
-    text = bench.markdown(table)
+    text = bench_report.markdown(table)
     assert "| overall | lookup |" in text and "| a | plain |" in text
     assert "**T = 1.0**" in text
-    json_path, md_path, png_path = bench.save(records, table, tmp_path / "out", {"command": "x", "machine": "y"})
+    json_path, md_path, png_path = bench_report.save(records, table, tmp_path / "out", {"command": "x", "machine": "y"})
     assert len(json.loads(json_path.read_text())["records"]) == len(records) and md_path.read_text()
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -138,7 +138,7 @@ def test_acceptance_per_depth_and_the_wandb_report(tmp_path, monkeypatch):
     assert table[(0.0, "qa")]["eagle3"]["acceptance_per_depth"] == pytest.approx([0.6, 1 / 3])
     assert table[(0.0, "qa")]["hf"]["acceptance_per_depth"] is None
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    where = bench.report_wandb(table, {"command": "test"}, tmp_path)
+    where = bench_report.report_wandb(table, {"command": "test"}, tmp_path)
     assert "offline" in where
     logged = json.loads(next(tmp_path.rglob("bench_*.table.json")).read_text())  # the table, as W&B stores it
     rows = {(r[0], r[1]): r for r in logged["data"]}
@@ -160,7 +160,7 @@ def test_breakdown_table_steps_speedup_and_forward_only_ceiling():
     # plain: 30 ms a round (25 layers + 5 lm_head), 1 token a round. eagle: 45 ms a round of which the target's
     # forward (mask + layers + lm_head) is 36 ms, 3 tokens a round over two prompts weighted by rounds.
     def record(method, prompt, tokens, passes, **ms):
-        phases = dict.fromkeys(bench.BREAKDOWN, 0.0) | ms
+        phases = dict.fromkeys(bench_report.BREAKDOWN, 0.0) | ms
         return bench.Record(method, prompt, "qa", 0.0, tokens, 1.0, passes, None, None, None, [], phase_ms=phases)
 
     records = [
@@ -168,7 +168,7 @@ def test_breakdown_table_steps_speedup_and_forward_only_ceiling():
         record("eagle", "1", 12, 4, propose=5.0, mask=1.0, layers=30.0, lm_head=5.0, observe=4.0),
         record("eagle", "2", 6, 2, propose=5.0, mask=1.0, layers=30.0, lm_head=5.0, observe=4.0),
     ]
-    lines = bench.breakdown_markdown(records).splitlines()
+    lines = bench_report.breakdown_markdown(records).splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = {r[1]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
     assert head[-5:] == ["round ms", "plain steps", "acceptance length", "speedup", "forward-only ceiling"]

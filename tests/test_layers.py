@@ -5,6 +5,8 @@ runtime/  never imports train
 train/    may import heads and runtime
 headstart/ (cli.py and its subcommands, commands/), the composition root, is the only place outside train/ that
 imports train.
+runtime/apps/ (the server, the bench, the demo, the device check) runs on the runtime's core; the core never
+imports an app.
 No two files import each other, directly or around a loop (imports inside functions included).
 """
 
@@ -144,6 +146,16 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def test_the_runtime_core_imports_no_app():
+    """No module of runtime/ outside runtime/apps/ imports one inside it (at top level or inside functions)."""
+    graph = import_graph()
+    apps = "headstart.runtime.apps"
+    core = [m for m in graph if m.startswith("headstart.runtime") and not (m == apps or m.startswith(apps + "."))]
+    assert len(core) > 20 and any(m.startswith(apps + ".") for m in graph)
+    reaching = {m: sorted(i for i in graph[m] if i == apps or i.startswith(apps + ".")) for m in core}
+    assert not {m: apps_ for m, apps_ in reaching.items() if apps_}
 
 
 def test_no_import_loops():

@@ -43,7 +43,7 @@ def test_extras_agree_with_pyproject_and_with_every_modules_imports():
     assert extras["all"] == [f"headstart[{','.join(sorted(EXTRAS, key=list(EXTRAS).index))}]"]
     core = {_module(d) for d in project["dependencies"]}
     serve = core | set(EXTRAS["serve"]) | {"starlette", "pydantic"}  # the last two come with fastapi
-    allowed_by_part = {"runtime/server/": serve, "train/": core | set(EXTRAS["train"])}
+    allowed_by_part = {"runtime/apps/server/": serve, "train/": core | set(EXTRAS["train"])}
     third_party = set().union(*EXTRAS.values()) | serve | {"tokenizers", "numpy"}
     for path in sorted(
         [

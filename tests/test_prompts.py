@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from headstart.runtime.bench import SPEC_BENCH_GROUPS
+from headstart.runtime.apps.bench import SPEC_BENCH_GROUPS
 from headstart.runtime.prompts import load_prompts
 
 

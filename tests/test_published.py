@@ -377,7 +377,7 @@ def test_bench_compares_heads_side_by_side(tmp_path, tiny_model_dir, capsys):
 
 def test_shipped_heads_run_beside_the_labelled_ones():
     from headstart.heads.checkpoint import shipped_heads
-    from headstart.runtime.bench import label_methods
+    from headstart.runtime.apps.bench import label_methods
 
     mine = shipped_heads("smollm2-135m-instruct", "eagle3")
     methods = label_methods(["plain", "eagle3+lookup", "eagle"], {"mine": str(mine)}, "smollm2-135m-instruct")

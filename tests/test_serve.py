@@ -449,7 +449,7 @@ def test_the_budget_sizes_trees_by_load(tiny_model_dir, monkeypatch, curve):
     from headstart.runtime.drafters.budgeted import Budgeted
 
     cost = {"steep": BatchCost.linear(10.0, 0.5, 0.0), "flat": BatchCost.linear(10.0, 0.001, 0.0)}[curve]
-    monkeypatch.setattr("headstart.runtime.server.worker.batch_cost", lambda target, cache: cost)
+    monkeypatch.setattr("headstart.runtime.apps.server.worker.batch_cost", lambda target, cache: cost)
     engine = tiny_engine(tiny_model_dir, "lookup")
     engine.eos_ids = frozenset()
     live = LiveServer(engine, max_batch=4)

@@ -240,8 +240,8 @@ def test_soak_mix_runs_and_counts_every_kind(tiny_model_dir, tmp_path, capsys):
 
 
 def test_the_answer_check_finds_an_answer_given_to_the_wrong_prompt(tiny_model_dir):
+    from headstart.runtime.apps.server.answers import check_answers
     from headstart.runtime.models import load_model
-    from headstart.runtime.server.answers import check_answers
     from headstart.runtime.tokens import chat_ids
 
     model, tokenizer = load_model(str(tiny_model_dir))

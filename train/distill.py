@@ -240,13 +240,7 @@ def distill(
     seconds = time.perf_counter() - t0
     if todo:
         record_run(out, {**(source or {}), "backend": backend, "new_rows": len(todo), "new_tokens": new_tokens})
-    return {
-        "rows": len(shards.done),
-        "new_rows": len(todo),
-        "new_tokens": new_tokens,
-        "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds if seconds else 0.0,
-    }
+    return shards.figures(len(todo), new_tokens, seconds)
 
 
 def compare_backends(

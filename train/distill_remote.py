@@ -118,13 +118,15 @@ def distill_on_engine(
     eos_ids,
     prompts: list[Prompt],
     out: str,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    concurrency: int = 16,
-    seed: int = 0,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    concurrency: int,
+    seed: int,
     rows_per_shard: int = 1000,
 ) -> dict:
-    """Answer every prompt not answered yet, `concurrency` at a time; returns throughput figures."""
+    """Answer every prompt not answered yet, `concurrency` at a time; returns throughput figures (the defaults
+    are `distill_with_engine`'s)."""
     shards = Shards(out, rows_per_shard)
     todo = [p for p in prompts if p.id not in shards.done]
     lock = threading.Lock()
@@ -160,14 +162,7 @@ def distill_on_engine(
                 f"{failed.exception()}; {len(shards.done)} rows are in {out}: run the same command again to resume"
             )
     bar.close()
-    seconds = time.perf_counter() - t0
-    return {
-        "rows": len(shards.done),
-        "new_rows": len(todo),
-        "new_tokens": new_tokens,
-        "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds if seconds else 0.0,
-    }
+    return shards.figures(len(todo), new_tokens, time.perf_counter() - t0)
 
 
 def distill_with_engine(
@@ -193,7 +188,17 @@ def distill_with_engine(
     open_manifest(out, made)
     if check_model:
         check_served_model(engine, model, tokenizer, eos)
-    stats = distill_on_engine(engine, tokenizer, eos, prompts, out, max_new_tokens, temperature, concurrency, seed)
+    stats = distill_on_engine(
+        engine,
+        tokenizer,
+        eos,
+        prompts,
+        out,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        concurrency=concurrency,
+        seed=seed,
+    )
     if stats["new_rows"]:
         record_run(out, {"engine": engine.url, "new_rows": stats["new_rows"], "new_tokens": stats["new_tokens"]})
     return stats

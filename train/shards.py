@@ -48,6 +48,17 @@ class Shards:
             os.fsync(f.fileno())
         self.done.update(row["id"] for row in rows)
 
+    def figures(self, new_rows: int, new_tokens: int, seconds: float) -> dict:
+        """What a run into this folder did: rows in it, rows and tokens it added, seconds, tokens/s."""
+        rate = new_tokens / seconds if seconds else 0.0
+        return {
+            "rows": len(self.done),
+            "new_rows": new_rows,
+            "new_tokens": new_tokens,
+            "seconds": seconds,
+            "tokens_per_s": rate,
+        }
+
 
 def row_seed(seed: int, row_id: str) -> int:
     """A row's sampling seed (local and engine distillation): its answer at T > 0 depends on the run's seed and

@@ -109,7 +109,8 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     import torch
 
-    from headstart.runtime import background, bench
+    from headstart.runtime import background
+    from headstart.runtime.apps import bench, bench_report
     from headstart.runtime.cost_curve import cpu_name
     from headstart.runtime.engine import Engine
 
@@ -171,24 +172,25 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
         f"{grouped} tree attention"
     )
     meta = {"command": "headstart " + " ".join(argv), "machine": machine}
-    json_path, md_path, png_path = bench.save(records, table, Path(args.out), meta)
-    print(bench.markdown(table))
+    json_path, md_path, png_path = bench_report.save(records, table, Path(args.out), meta)
+    print(bench_report.markdown(table))
     print(f"records: {json_path}\ntable: {md_path}\nchart: {png_path}", file=sys.stderr)
     if args.breakdown:
-        text = f"`{meta['command']}`\n\n{machine}; ms per round (prefill left out)\n\n" + bench.breakdown_markdown(
-            records
+        text = (
+            f"`{meta['command']}`\n\n{machine}; ms per round (prefill left out)\n\n"
+            + bench_report.breakdown_markdown(records)
         )
         print(text)
         md_path.with_name(md_path.stem + "-breakdown.md").write_text(text)
         if args.breakdown_doc:
-            bench.replace_section(Path(args.breakdown_doc), f"breakdown {dtype}", text)
+            bench_report.replace_section(Path(args.breakdown_doc), f"breakdown {dtype}", text)
     if args.report_to == "wandb":
-        print(bench.report_wandb(table, meta, Path(args.out), run_name=json_path.stem), file=sys.stderr)
+        print(bench_report.report_wandb(table, meta, Path(args.out), run_name=json_path.stem), file=sys.stderr)
     return 0
 
 
 def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
-    from headstart.runtime.check import run_check
+    from headstart.runtime.apps.check import run_check
 
     if not Path(args.prompts).is_file():
         raise common.UserError(f"prompts file not found: {args.prompts} (run from a checkout, or pass --prompts FILE)")

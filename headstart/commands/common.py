@@ -45,25 +45,15 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
 
 
 def add_prepack_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-prepack",
-        action="store_true",
-        help="keep the stock linear kernels (default: prepacked on a CPU; docs/tuning.md)",
-    )
+    kernels = "keep the stock linear kernels (default: prepacked on a CPU; docs/tuning.md)"
+    p.add_argument("--no-prepack", action="store_true", help=kernels)
 
 
 def add_adapter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--adapter",
-        default=None,
-        metavar="DIR",
-        help="a peft LoRA adapter directory applied on top of --model, merged into its weights",
-    )
-    p.add_argument(
-        "--no-merge",
-        action="store_true",
-        help="--adapter: keep the adapter live instead of merging it (slower, the same output)",
-    )
+    merged = "a peft LoRA adapter directory applied on top of --model, merged into its weights"
+    p.add_argument("--adapter", default=None, metavar="DIR", help=merged)
+    live = "--adapter: keep the adapter live instead of merging it (slower, the same output)"
+    p.add_argument("--no-merge", action="store_true", help=live)
 
 
 def add_profile_arg(p: argparse.ArgumentParser) -> None:

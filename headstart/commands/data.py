@@ -160,17 +160,13 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(result, indent=2))
         (Path(args.out) / "compare.json").write_text(json.dumps(result, indent=2))
         return 0
+    given = (model, tokenizer, prompts, args.out, args.max_new_tokens, args.temperature)  # what both ways answer
     if args.engine:
         from headstart.train.distill_remote import distill_with_engine
 
         stats = distill_with_engine(
             args.engine,
-            model,
-            tokenizer,
-            prompts,
-            args.out,
-            args.max_new_tokens,
-            args.temperature,
+            *given,
             args.concurrency,
             args.seed,
             args.retries,
@@ -180,12 +176,7 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         background.register(f"distill -> {args.out}")  # benchmarks stop it while they measure
         stats = distill(
-            model,
-            tokenizer,
-            prompts,
-            args.out,
-            args.max_new_tokens,
-            args.temperature,
+            *given,
             args.batch_size,
             seed=args.seed,
             backend=args.backend,

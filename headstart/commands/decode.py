@@ -7,7 +7,7 @@ import json
 import sys
 
 from headstart.commands import common
-from headstart.runtime.demo import DEFAULT_DRAFTER
+from headstart.runtime.apps.demo import DEFAULT_DRAFTER
 from headstart.runtime.drafters.registry import names, parse_spec
 from headstart.runtime.prompts import Prompt, load_prompts
 
@@ -81,7 +81,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
-    from headstart.runtime.demo import run_demo
+    from headstart.runtime.apps.demo import run_demo
 
     parse_spec(args.drafter)
     return run_demo(

@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     import uvicorn
 
-    from headstart.runtime.server.app import ServeConfig, build_app
+    from headstart.runtime.apps.server.app import ServeConfig, build_app
 
     if not 0 < args.port < 65536:
         raise common.UserError(f"--port must be in 1..65535, got {args.port}")
@@ -164,7 +164,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         app = build_app(engine, config, api_key, worker_thread=False)
     except ValueError as e:  # the KV budget cannot hold one full-length sequence
         raise common.UserError(f"{e}: raise --kv-cache-gb") from None
-    # HTTP on a thread, decoding on this one (the thread that loaded the model: runtime/server/worker.py says why)
+    # HTTP on a thread, decoding on this one (the thread that loaded the model: runtime/apps/server/worker.py says why)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     http = threading.Thread(target=server.run, name="headstart-http", daemon=True)
     http.start()
@@ -195,7 +195,7 @@ def server_info(url: str, api_key: str | None) -> dict:
     /v1/models, the drafter named after the server."""
     import httpx
 
-    from headstart.runtime.server.loadtest import auth
+    from headstart.runtime.apps.server.loadtest import auth
 
     url = url.rstrip("/")
     try:
@@ -211,7 +211,7 @@ def server_info(url: str, api_key: str | None) -> dict:
 def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
     from pathlib import Path
 
-    from headstart.runtime.server import loadtest
+    from headstart.runtime.apps.server import loadtest
 
     try:
         levels = [int(c) for c in args.clients.split(",")]
@@ -230,8 +230,8 @@ def cmd_loadtest(args: argparse.Namespace, argv: list[str]) -> int:
             args.url, health["model"], prompts, args.soak, max(levels), api_key=api_key, answers=answers
         )
         if answers is not None:
+            from headstart.runtime.apps.server.answers import check_answers
             from headstart.runtime.models import load_model
-            from headstart.runtime.server.answers import check_answers
 
             model, tokenizer = load_model(args.check_answers or health["model"], dtype="float32")
             result["answers"] = check_answers(model, tokenizer, answers)

@@ -38,7 +38,7 @@ METHODS = {  # label -> (drafter spec, options, profile)
 
 
 def headstart_side(heads: Path, ids: list[list[int]], max_tokens: int) -> dict[str, dict]:
-    from headstart.runtime.bench import run_method
+    from headstart.runtime.apps.bench import run_method
     from headstart.runtime.engine import Engine
     from headstart.runtime.sampling import SamplingParams
 
@@ -73,7 +73,7 @@ def main() -> int:
 
     from headstart.commands.common import TEST_PROMPTS
     from headstart.runtime import background
-    from headstart.runtime.bench import replace_section
+    from headstart.runtime.apps.bench_report import replace_section
     from headstart.runtime.prompts import load_prompts
     from headstart.runtime.tokens import prompt_ids
 

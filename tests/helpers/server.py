@@ -11,11 +11,11 @@ import pytest
 import uvicorn
 from openai import OpenAI
 
+from headstart.runtime.apps.server.app import ServeConfig, build_app
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.engine import Engine
 from headstart.runtime.models import load_model
-from headstart.runtime.server.app import ServeConfig, build_app
 
 NAME = "tiny"
 

@@ -26,6 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from headstart.runtime.apps.server.metrics import ServerMetrics
 from headstart.runtime.batch_cost import batch_cost
 from headstart.runtime.budget import Planner
 from headstart.runtime.drafters.base import Drafter
@@ -35,7 +36,6 @@ from headstart.runtime.engine import Engine, RequestText
 from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
 from headstart.runtime.models import cache_dir
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.server.metrics import ServerMetrics
 
 
 class QueueFullError(Exception):

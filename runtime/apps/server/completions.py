@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from headstart.runtime.apps.server.metrics import ServerMetrics, path_label
+from headstart.runtime.apps.server.schema import APIError, choice, clip, completion_id, now, usage
+from headstart.runtime.apps.server.worker import Job, QueueFullError, Worker, WorkerDeadError
 from headstart.runtime.engine import Engine
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.server.metrics import ServerMetrics, path_label
-from headstart.runtime.server.schema import APIError, choice, clip, completion_id, now, usage
-from headstart.runtime.server.worker import Job, QueueFullError, Worker, WorkerDeadError
 from headstart.runtime.tokens import chat_ids
 
 

@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from headstart.runtime.server.completions import Completions
-from headstart.runtime.server.schema import APIError, ChatRequest, CompletionRequest, clip
+from headstart.runtime.apps.server.completions import Completions
+from headstart.runtime.apps.server.schema import APIError, ChatRequest, CompletionRequest, clip
 
 router = APIRouter()
 

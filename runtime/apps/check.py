@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from headstart.runtime import bench
+from headstart.runtime.apps import bench, bench_report
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.engine import Engine
 from headstart.runtime.prompts import load_prompts
@@ -72,8 +72,8 @@ def run_check(
     subset.write_text("".join(line + "\n" for line in Path(prompts_file).read_text().splitlines()[:bench_prompts]))
     records = bench.run_bench(engine, str(subset), BENCH_METHODS, [0.0], max_new_tokens)
     table = bench.summarize(records)
-    print(bench.markdown(table))
-    bench.save(records, table, Path(out), {"command": f"headstart check --device {device}", "machine": device})
+    print(bench_report.markdown(table))
+    bench_report.save(records, table, Path(out), {"command": f"headstart check --device {device}", "machine": device})
     overall = table[(0.0, "overall")]
     speedups = ", ".join(f"{m} {f['speedup_vs_plain']:.2f}x" for m, f in overall.items() if m != "plain")
     exact = all(v.split("/")[0] == v.split("/")[1] for v in identity.values())

@@ -1,4 +1,4 @@
-"""What a long prompt joining costs the streams already decoding: `python -m headstart.runtime.join_gap`.
+"""What a long prompt joining costs the streams already decoding: `python -m headstart.runtime.apps.join_gap`.
 
 Eight sequences decode plainly in one batch; after 10 rounds a prompt of `--join-tokens` tokens (the first prompt's
 tokens repeated) joins and is prefilled `--prefill-chunk` tokens a round; 10 more rounds follow it. Every round is
@@ -46,7 +46,7 @@ def gaps(engine: Engine, prompts: list[list[int]], join: list[int], chunk: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m headstart.runtime.join_gap", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m headstart.runtime.apps.join_gap", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", required=True, help="JSONL prompts: the running streams' chat prompts")

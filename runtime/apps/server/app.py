@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from headstart.runtime.apps.server.completions import Completions, ServeConfig
+from headstart.runtime.apps.server.routes import install_error_handlers, router
+from headstart.runtime.apps.server.schema import APIError
 from headstart.runtime.engine import Engine
-from headstart.runtime.server.completions import Completions, ServeConfig
-from headstart.runtime.server.routes import install_error_handlers, router
-from headstart.runtime.server.schema import APIError
 
 __all__ = ["BodyLimit", "ServeConfig", "build_app"]
 
