@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         f"kernels {target.packed.kind} ({seconds:.0f} s): ms at R rows "
         + ", ".join(f"{r}: {ms:.1f}" for r, ms in cost.rows.items())
         + f"; + {cost.d:.2f} * sequences + {cost.c:.6f} * R * (cached keys - {PASTS[0]}); "
-        f"worst error {cost.worst_error:.0%}"
+        f"worst error {cost.worst_error:.0%} ("
+        + ", ".join(f"{e:.0%} at {s}" for s, e in cost.errors.items())
+        + " sequences)"
     )
     print("| sequences | draft nodes each | cached tokens | measured ms | model ms |\n|---|---|---|---|---|")
     for s, w, k, ms in points:

@@ -158,10 +158,11 @@ class EagleDrafter(SamplingDrafter):
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()
         self._root_feature = None
-        self._pending = []
         self.start_sampling(sampling, seed)
-        if prompt_hidden is not None and len(prompt_hidden):
-            self._commit(prompt_hidden, prompt_ids[1:])
+        # the prompt's pairs wait with the rounds' for the first proposal: a request that never drafts (a busy
+        # batch, the budget's plain rounds) never runs the head over its prompt
+        has = prompt_hidden is not None and len(prompt_hidden)
+        self._pending = [(prompt_hidden, list(prompt_ids[1:]))] if has else []
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         rows = [0, *(i + 1 for i in path)]  # the root and the accepted nodes: their true features
