@@ -111,12 +111,8 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None:
         f"+lookup grafts prompt-lookup branches onto the tree (default {default})",
     )
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
-    p.add_argument(
-        "--tree-budget",
-        type=at_least_one,
-        default=None,
-        help="nodes per tree (default: the drafter's, from the profile)",
-    )
+    budget = "nodes per tree (default: the drafter's, from the profile)"
+    p.add_argument("--tree-budget", type=at_least_one, default=None, help=budget)
     add_tree_args(p)
     add_profile_arg(p)
 

@@ -29,13 +29,11 @@ def add_parsers(sub) -> None:
         help="instead of --prompts: prompts of this task over the answers already in --out",
     )
     ds.add_argument("--limit", type=int, default=None, help="first N usable prompts")
-    ds.add_argument(
-        "--only",
-        default=None,
-        metavar="FILE",
-        help="answer only the prompts whose ids this file lists, one a line (e.g. the held-out list, "
-        f"{HELDOUT_IDS}, into a folder of its own); the default --exclude then leaves them in",
+    only = (
+        "answer only the prompts whose ids this file lists, one a line (e.g. the held-out list, "
+        f"{HELDOUT_IDS}, into a folder of its own); the default --exclude then leaves them in"
     )
+    ds.add_argument("--only", default=None, metavar="FILE", help=only)
     ds.add_argument("--max-new-tokens", type=int, default=256)
     ds.add_argument("--temperature", type=float, default=0.0)
     ds.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
