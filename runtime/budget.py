@@ -9,7 +9,9 @@ measured hit rate (runtime/drafters/budgeted.py). `allocate` picks the width and
 maximise the round's expected committed tokens per ms:
 
     max over w, and offers o_i with o_i.nodes <= w (or none):
-        (B + sum_i o_i.gain) / (forward_ms(B, w, longest) + sum_i o_i.draft_ms)
+        (B + sum_i o_i.gain) / (forward_ms(B, w, longest) + sum_i o_i.draft_ms + overhead_ms)
+
+(overhead_ms: what a round costs beyond the forward and the drafting, measured by the `Planner` as it runs).
 
 For a fixed w the forward is paid whatever the sequences draft, so the best offers solve a ratio of separable sums:
 Dinkelbach's iteration (each sequence takes the offer maximising gain - lambda * draft_ms, lambda = the ratio so
