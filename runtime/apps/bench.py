@@ -11,8 +11,8 @@ Methods run interleaved prompt by prompt after a warm-up, so machine noise hits 
   Heads trained with a LoRA on the target (medusa2) run on base + that adapter, loaded beside the
   base: their speed compares with plain decoding of the base (merged, the same cost per token), and
   their tokens are not compared with plain's (another model, see `headstart drift`).
-Output: every per-prompt record as JSON, a Markdown table per category and overall, and a PNG chart
-of speedup and acceptance length per category and method.
+This module measures (records, the summary table); `bench_report.py` writes them: every per-prompt record as JSON,
+a Markdown table per category and overall, and a PNG chart of speedup and acceptance length per category and method.
 """
 
 from __future__ import annotations
