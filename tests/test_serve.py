@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from headstart.cli import main
-from helpers.server import NAME, LiveServer, leave_after, tiny_engine, wait_until
+from helpers.server import NAME, LiveServer, leave_at_first_token, tiny_engine, wait_until
 
 PROMPTS = ["the cat sat on", "a dog ran far", "one two three", "red blue green and", "then it was good"]
 
@@ -381,7 +381,7 @@ def test_requests_decode_together_each_as_it_would_alone(tiny_model_dir):
         watcher = threading.Thread(target=watch)
         watcher.start()
         with ThreadPoolExecutor(len(bodies) + 1) as pool:
-            leaver = pool.submit(leave_after, live.url, {"model": NAME, "prompt": "x", "max_tokens": 400}, 0.5)
+            leaver = pool.submit(leave_at_first_token, live.url, {"model": NAME, "prompt": "x", "max_tokens": 400})
             together = list(pool.map(ask, bodies))
             leaver.result()
         stop.set()

@@ -91,6 +91,14 @@ def leave_after(url: str, body: dict, seconds: float) -> None:
         httpx.post(url + "/v1/completions", json=body, timeout=seconds)
 
 
+def leave_at_first_token(url: str, body: dict) -> None:
+    """A streaming client that hangs up once its first token arrives: mid-way however fast the server decodes (a
+    client leaving after a fixed time saw all 400 tokens of a tiny model's answer on a fast CPU, and never left)."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+
+
 def tiny_engine(model_dir, drafter: str = "lookup", delay_s: float = 0.0) -> Engine:
     model, tokenizer = load_model(str(model_dir))
     inner = make_drafter(drafter, model, tokenizer)
