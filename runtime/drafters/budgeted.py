@@ -47,7 +47,7 @@ class Budgeted(Drafter):
         self.graft_seen = [0, 0]  # grafted rounds, grafted nodes accepted
         self.other_seen = [0, 0, 0, 0.0]  # rounds, nodes, accepted nodes, drafting seconds
         self._branches: tuple[int, list[list[int]]] = (-1, [])  # (context length, lookup branches found there)
-        self._own: tuple[tuple, list[Offer]] = ((), [])  # (curve and correction, the heads' offers)
+        self._own: tuple[list[Offer] | None, float, list[Offer]] = (None, 0.0, [])  # (curve, correction, offers)
         # this round: the heads' nodes drafted, the curve's expectation of them, lookup grafted, drafting seconds
         self._round: tuple[int, float, bool, float] | None = None
 
@@ -77,10 +77,10 @@ class Budgeted(Drafter):
         if curve:
             accepted, expected = self.curve_seen
             rho = (PRIOR + accepted) / (PRIOR + expected)
-            if self._own[0] != (id(curve), rho):  # the same until the curve or this request's record changes
+            cached, cached_rho, own = self._own  # the same until the curve or this request's record changes
+            if cached is not curve or cached_rho != rho:  # the curve object itself, not its id (ids are reused)
                 own = [Offer(o.nodes, min(o.gain * rho, o.nodes), o.draft_ms, heads=o.nodes) for o in curve]
-                self._own = ((id(curve), rho), own)
-            own = self._own[1]
+                self._own = (curve, rho, own)
         else:
             rounds, nodes, accepted, seconds = self.other_seen
             n = max(round((OTHER_PRIOR[0] + nodes) / (1 + rounds)), 1)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from headstart.runtime.apps.bench_report import replace_section
 from headstart.runtime.background import paused
 from headstart.runtime.cost_curve import cpu_name
 from headstart.runtime.models import resolve_model_dir
@@ -228,13 +229,7 @@ def main() -> int:
         png = Path(args.doc).parent / f"serve-bench-{args.dtype}.png"
         chart(rows, png, f"{args.dtype}, T = 0, {args.max_tokens} tokens, {commit}")
         text += f"\n\n![tok/s per request against concurrency]({png.name})"
-        doc = Path(args.doc).read_text()
-        start, end = f"<!-- serve-bench:{args.dtype} -->", f"<!-- /serve-bench:{args.dtype} -->"
-        if start in doc:
-            doc = doc[: doc.index(start)] + f"{start}\n{text}\n{end}" + doc[doc.index(end) + len(end) :]
-        else:
-            doc += f"\n{start}\n{text}\n{end}\n"
-        Path(args.doc).write_text(doc)
+        replace_section(Path(args.doc), f"serve-bench:{args.dtype}", text)
     print(f"rows: {tmp / 'rows.json'}")
     return 0
 
