@@ -14,6 +14,8 @@ branch; the masks keep the attention exact instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,6 +88,39 @@ class AttentionLayout:
         return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed
 
 
+@dataclass(frozen=True)
+class Packing:
+    """r sequences' rows fed to one forward packed end to end, (1, N) with N = sum of their row counts, instead of
+    padded to the widest, (r, q): the linear layers (most of a forward's cost) see only real rows. Attention alone
+    reads them padded, each sequence's rows against its own slot of the cache (`grouped_sdpa` unpacks the queries
+    and packs its output back); a padding position reads its sequence's first row, and nothing reads its output.
+    Passed to the model's forward as the keyword `packing` (transformers hands its keywords to the attention
+    function)."""
+
+    gather: torch.Tensor  # (r * q,) the packed row each padded position reads
+    scatter: torch.Tensor  # (N,) the padded position (i * q + k) of each packed row
+    r: int
+    q: int
+
+    @classmethod
+    def of(cls, sizes: list[int], device) -> Packing:
+        """Sequence i feeds `sizes[i]` rows (>= 1), in order."""
+        q, starts = max(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
+        gather = [start + min(k, n - 1) for start, n in zip(starts, sizes, strict=True) for k in range(q)]
+        scatter = [i * q + k for i, n in enumerate(sizes) for k in range(n)]
+        return cls(torch.tensor(gather, device=device), torch.tensor(scatter, device=device), len(sizes), q)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """Queries (1, H, N, D) -> (r, H, q, D)."""
+        _, h, _, d = x.shape
+        return x[0].index_select(1, self.gather).view(h, self.r, self.q, d).transpose(0, 1)
+
+    def pack(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output (r, q, H, D) -> (1, N, H, D)."""
+        _, _, h, d = out.shape
+        return out.reshape(self.r * self.q, h, d).index_select(0, self.scatter)[None]
+
+
 # --- grouped-query attention over a tree without copying the cache (the fast path) ----------------------------
 GROUPED_SDPA = "headstart_grouped_sdpa"  # the attention implementation name the fast path gives the target
 
@@ -109,6 +144,11 @@ def grouped_sdpa(
     stacked as extra query rows instead, so attention reads the cache as it is; only the mask, (q, past + q), is
     repeated for them. The same products per (query, key), so the same values as stock SDPA
     (tests/test_fast_path.py)."""
+    packing: Packing | None = kwargs.pop("packing", None)
+    if packing is not None:  # rows of several sequences packed end to end: attend padded, one sequence a row
+        query = packing.unpack(query)
+        out, _ = grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        return packing.pack(out), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, q, D = query.shape  # (B, H, q, D) queries; key, value: (B, G, k, D) with G key/value heads
@@ -137,14 +177,14 @@ def grouped_sdpa(
 
 
 def use_grouped_sdpa(model: nn.Module) -> bool:
-    """Switch `model` (a transformers model running SDPA) to `grouped_sdpa`; False, unchanged, for any other
-    attention implementation (eager, flash, flex: their own kernels) or a model without grouped queries."""
+    """Switch `model` (a transformers model running SDPA) to `grouped_sdpa` (a model without grouped queries gets
+    stock SDPA through it, and packed rows: `Packing`); False, unchanged, for any other attention implementation
+    (eager, flash, flex: their own kernels)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     config = model.config
-    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if config._attn_implementation != "sdpa" or not heads or not kv_heads or heads == kv_heads:
+    if config._attn_implementation != "sdpa" or not getattr(config, "num_attention_heads", None):
         return False
     AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
     ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)  # masks built as for SDPA

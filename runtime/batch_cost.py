@@ -1,18 +1,27 @@
 """The cost of one batched verify forward, as a model measured on this machine: what the budget spends
 (`runtime/budget.py`).
 
-`Target.verify_batch` pads every sequence's rows to the widest tree's, so a forward over B sequences at width w
-(draft nodes) feeds R = B * (w + 1) rows, and each row attends the keys of its own sequence, about K = the longest
-cached sequence:
+A forward over B sequences at width w (draft nodes, the widest tree's) feeds R = B * (w + 1) rows when they are
+padded to the widest tree, and each row attends the keys of its own sequence, about K = the longest cached
+sequence:
 
     ms = rows(R) + d * B + c * R * (K - PAST0)
 
 rows(R): the rows' share of the forward, linear between the row counts measured (on a CPU far from linear in R:
 16 rows cost ~1.5x one row in bfloat16, the weights read once for all of them); d: a sequence's own share (its
 mask, its attention call); c: one row's attention over one more cached key than PAST0. `measure_batch_cost` times
-the target's own forward over a grid of B, w and cached lengths (seconds), fits all three by least squares (no
-term negative) and keeps the model's worst relative error over the grid beside them, and at each batch size
-measured (the budget's margin at that size), so a machine the model does not describe shows.
+the target's own forward over a grid of B, w and cached lengths (every sequence at the same width, so packed and
+padded rows are the same rows), fits all three by least squares (no term negative) and keeps the model's worst
+relative error over the grid beside them, and at each batch size measured (the budget's margin at that size), so
+a machine the model does not describe shows.
+
+`Target.verify_batch` packs the rows end to end on the fast path (`attention.Packing`): the linear layers see
+B + N rows for N draft nodes in all, and only attention reads them padded. Then (`packed`) the rows' share is
+rows(B) plus N times the curve's slope from B rows to B * (w + 1) (exact at no node and at every sequence at the
+full width; where the curve is straight, as here beyond ~4 rows, exact between), the attention term stays padded:
+
+    ms = rows(B) + N * (rows(B (w + 1)) - rows(B)) / (B w) + d * B + c * B (w + 1) * (K - PAST0)
+
 Cached per model, device, dtype, kernels and torch, as the batch-1 curve is (`cost_curve._key`).
 """
 
@@ -21,7 +30,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +43,7 @@ SEQUENCES = (1, 2, 4, 8, 16)  # batch sizes timed (those that fit the target's s
 WIDTHS = (0, 1, 3, 7, 15)  # draft nodes per sequence timed
 PASTS = (64, 320)  # cached tokens per sequence timed; the first is PAST0
 MAX_ROWS = 128  # grid points feeding more rows are skipped (they would take most of the time)
-MODEL_VERSION = 4  # raise when the model or the grid changes, so that cached fits are measured again
+MODEL_VERSION = 5  # raise when the model or the grid changes, so that cached fits are measured again
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class BatchCost:
     d: float = 0.0  # ms per sequence fed (its mask, its own attention call's share)
     worst_error: float = 0.0  # the model's largest |model - measured| / measured over the grid it was fitted on
     errors: dict[int, float] = field(default_factory=dict)  # sequences -> the largest error at that many
+    packed: bool = False  # the target packs tree rows end to end: a node costs its own row only (module docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", {int(r): float(ms) for r, ms in sorted(self.rows.items())})
@@ -63,10 +73,24 @@ class BatchCost:
         """a + b * R + c * R * (K - PASTS[0]): a straight row curve (tests, synthetic machines)."""
         return cls({1: a + b, 2: a + 2 * b}, c)
 
-    def forward_ms(self, sequences: int, width: int, longest: int) -> float:
-        """`sequences` sequences at `width` draft nodes each, the longest holding `longest` cached tokens."""
-        rows = sequences * (width + 1)
-        return cost_at(self.rows, rows) + self.d * sequences + self.c * rows * max(longest - PASTS[0], 0)
+    def forward_ms(self, sequences: int, width: int, longest: int, nodes: int | None = None) -> float:
+        """`sequences` sequences at `width` draft nodes at most, `nodes` in all (None: `width` each), the longest
+        holding `longest` cached tokens."""
+        nodes = sequences * width if nodes is None else nodes
+        return self.base_ms(sequences, width, longest) + self.node_ms(sequences, width) * nodes
+
+    def base_ms(self, sequences: int, width: int, longest: int) -> float:
+        """The forward at this width before its draft nodes' own rows: padded, all of it (`node_ms` is 0)."""
+        full = sequences * (width + 1)
+        attention = self.d * sequences + self.c * full * max(longest - PASTS[0], 0)
+        return cost_at(self.rows, sequences if self.packed else full) + attention
+
+    def node_ms(self, sequences: int, width: int) -> float:
+        """What a draft node's own row adds at this width: packed, the row curve's slope from `sequences` rows to the
+        full width's; padded, 0 (the width's rows are paid whatever the sequences draft)."""
+        if not self.packed or not width:
+            return 0.0
+        return (cost_at(self.rows, sequences * (width + 1)) - cost_at(self.rows, sequences)) / (sequences * width)
 
 
 def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
@@ -143,7 +167,7 @@ def measure_batch_cost(
     points = [(s, w, k, min(t[1:])) for (s, w, k), t in times.items()]
     if record is not None:
         record.extend(points)
-    return fit_batch_cost(points)
+    return replace(fit_batch_cost(points), packed=target.grouped)
 
 
 def batch_cost(target: Target, cache: Path | None) -> BatchCost:

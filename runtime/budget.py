@@ -1,25 +1,27 @@
 """Speculation sized by load: each round, the tree nodes every live sequence verifies (0: a plain step for it).
 
-Speculation and batching spend the same idle compute. A round of B sequences at width w costs the batched forward
-(`runtime/batch_cost.py`: rows padded to the widest tree, so every sequence pays w + 1 rows) plus the drafting
-of the sequences that draft; it commits B tokens plus the draft nodes that survive. Each sequence's drafter
+Speculation and batching spend the same idle compute. A round of B sequences at width w (the widest tree) costs
+the batched forward (`runtime/batch_cost.py`: a base at that width, as attention reads every sequence's rows
+padded to it, plus each draft node's own row where the rows are packed; padded rows cost every sequence w + 1
+rows and a node nothing more) plus the drafting of the sequences that draft; it commits B tokens plus the draft
+nodes that survive. Each sequence's drafter
 makes its *offers* (`Offer`: nodes, the expected surviving nodes, the drafting ms) from what it knows: the heads'
 calibrated per-depth accuracies corrected by the acceptance this request got so far, lookup branches by their
 measured hit rate (runtime/drafters/budgeted.py). `allocate` picks the width and each sequence's offer that
 maximise the round's expected committed tokens per ms:
 
     max over w, and offers o_i with o_i.nodes <= w (or none):
-        (B + sum_i o_i.gain) / (forward_ms(B, w, longest) + sum_i o_i.draft_ms + overhead_ms)
+        (B + sum_i o_i.gain) / (base_ms(B, w, longest) + sum_i (o_i.draft_ms + node_ms(B, w) o_i.nodes) + overhead_ms)
 
 (overhead_ms: what a round costs beyond the forward and the drafting, measured by the `Planner` as it runs).
 
-For a fixed w the forward is paid whatever the sequences draft, so the best offers solve a ratio of separable sums:
-Dinkelbach's iteration (each sequence takes the offer maximising gain - lambda * draft_ms, lambda = the ratio so
-far) reaches the optimum in a few steps; w runs over the widths offered. At batch 1 on a steep CPU curve this
-gives the batch-1 trees; as B grows the forward's cost of one more row of width times B outgrows the survival of
-a node, and the plan falls to plain batched decoding by itself (tests/test_budget.py: the brute-force optimum on
-small cases, a steep and a flat curve). The plan depends only on past rounds, never on this round's draws, so
-every sequence keeps the target's distribution.
+For a fixed w the base is paid whatever the sequences draft, so the best offers solve a ratio of separable sums:
+Dinkelbach's iteration (each sequence takes the offer maximising gain - lambda * (draft_ms + node_ms * nodes),
+lambda = the ratio so far) reaches the optimum in a few steps; w runs over the widths offered. At batch 1 on a
+steep CPU curve this gives the batch-1 trees; as B grows the forward's cost of a node's row (and of the width's
+padded attention) outgrows the survival of a node, and the plan falls to plain batched decoding by itself
+(tests/test_budget.py: the brute-force optimum on small cases, packed and padded, a steep and a flat curve). The
+plan depends only on past rounds, never on this round's draws, so every sequence keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -72,16 +74,19 @@ def allocate(
             table[:, i, : len(own)] = np.array([o[:3] for o in own], dtype=np.float64).T
     nodes, gain, ms = table
     fits = (nodes > 0) & (nodes[None] <= widths[:, None, None])  # (W, B, M)
-    forward = np.array([cost.forward_ms(b, int(w), longest) + overhead_ms for w in widths])  # (W,)
+    forward = np.array([cost.base_ms(b, int(w), longest) + overhead_ms for w in widths])  # (W,)
+    per_node = np.array([cost.node_ms(b, int(w)) for w in widths])[:, None, None]  # (W, 1, 1)
+    spend = ms + per_node * np.where(np.isfinite(nodes), nodes, 0)  # (W, B, M): an offer's ms at each width
     rate = np.maximum(plain, b / forward)  # a width that cannot beat plain keeps no plan
     chosen = np.full((len(widths), b), -1)  # (W, B): each sequence's offer at each width's best rate, -1: plain
     rows = np.arange(b)
     while True:  # Dinkelbach at every width: the offers that beat its rate, until none does
-        value = np.where(fits, gain - rate[:, None, None] * ms, -np.inf)  # (W, B, M)
+        value = np.where(fits, gain - rate[:, None, None] * spend, -np.inf)  # (W, B, M)
         best = value.argmax(axis=2)  # (W, B)
         take = np.take_along_axis(value, best[..., None], axis=2)[..., 0] > 0
         tokens = b + np.where(take, gain[rows, best], 0.0).sum(axis=1)
-        new = tokens / (forward + np.where(take, ms[rows, best], 0.0).sum(axis=1))
+        paid = np.where(take, np.take_along_axis(spend, best[..., None], axis=2)[..., 0], 0.0)  # (W, B)
+        new = tokens / (forward + paid.sum(axis=1))
         better = new > rate * (1 + 1e-12)
         if not better.any():
             break
@@ -96,10 +101,11 @@ def allocate(
 
 
 def plan_ms(picks: Sequence[Offer | None], longest: int, cost: BatchCost) -> float:
-    """What the model says a plan's round costs: the forward at its width and the drafting."""
+    """What the model says a plan's round costs: the forward at its width over its nodes, and the drafting."""
     chosen = [o for o in picks if o is not None]
     width = max((o.nodes for o in chosen), default=0)
-    return cost.forward_ms(len(picks), width, longest) + sum(o.draft_ms for o in chosen)
+    nodes = sum(o.nodes for o in chosen)
+    return cost.forward_ms(len(picks), width, longest, nodes) + sum(o.draft_ms for o in chosen)
 
 
 def expected_rate(picks: Sequence[Offer | None], longest: int, cost: BatchCost, overhead_ms: float = 0.0) -> float:

@@ -61,16 +61,16 @@ class SlotLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         c = self.cache
         self._reserve(key_states, c.slots_used, c.kv_len)
-        r, q = key_states.shape[0], key_states.shape[2]
-        fed = slice(c.first, c.first + r)
-        if r == 1:
-            start = c.starts[0]
+        fed = slice(c.first, c.first + len(c.starts))
+        if len(c.starts) == 1:
+            start, q = c.starts[0], key_states.shape[2]
             self._k[c.first, :, start : start + q] = key_states[0]
             self._v[c.first, :, start : start + q] = value_states[0]
-        else:
-            which, rows = c.index(key_states.device)  # (r, 1), (r, q)
-            self._k[fed][which, :, rows] = key_states.transpose(1, 2)  # indexed as (r, q, kv_heads, head_dim)
-            self._v[fed][which, :, rows] = value_states.transpose(1, 2)
+        else:  # (r, kv_heads, q, head_dim) padded, or (1, kv_heads, N, head_dim) packed: one row of keys at a time
+            which, rows = c.index(key_states.device)  # (N,), (N,)
+            g, d = key_states.shape[1], key_states.shape[3]
+            self._k[fed][which, :, rows] = key_states.transpose(1, 2).reshape(-1, g, d)  # indexed as (N, g, d)
+            self._v[fed][which, :, rows] = value_states.transpose(1, 2).reshape(-1, g, d)
         self.keys, self.values = self._k[fed, :, : c.kv_len], self._v[fed, :, : c.kv_len]
         return self.keys, self.values
 
@@ -108,21 +108,25 @@ class SlotCache(DynamicCache):
         self.slots = slots
         self.layer_class_to_replicate = lambda: SlotLayer(self)
         self.first, self.starts, self.kv_len, self.slots_used = 0, [0], 0, 1  # set by `feed`
-        self.q, self._index = 0, None
+        self.sizes: list[int] = [0]
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def feed(self, first: int, starts: list[int], q: int) -> None:
-        """The next forward feeds q tokens to each of slots first, first + 1, ..., written from rows `starts`."""
+    def feed(self, first: int, starts: list[int], q: int, sizes: list[int] | None = None) -> None:
+        """The next forward feeds q tokens to each of slots first, first + 1, ..., written from rows `starts`; or,
+        given `sizes` (each at most q), sizes[i] tokens to slot first + i, packed end to end (`attention.Packing`)."""
         if first + len(starts) > self.slots:
             raise ValueError(f"slots {first}..{first + len(starts) - 1} fed, the cache has {self.slots}")
-        self.first, self.starts, self.kv_len, self.q, self._index = first, starts, max(starts) + q, q, None
+        self.first, self.starts, self.kv_len, self._index = first, starts, max(starts) + q, None
+        self.sizes = [q] * len(starts) if sizes is None else sizes
         self.slots_used = max(self.slots_used, first + len(starts))
 
     def index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fed slots (r, 1) and the rows each writes (r, q): made once a forward, read by every layer."""
+        """The fed slot (N,) and the row (N,) each fed token is written to, in feeding order: made once a forward,
+        read by every layer."""
         if self._index is None:
-            which = torch.arange(len(self.starts), device=device)[:, None]
-            rows = torch.tensor(self.starts, device=device)[:, None] + torch.arange(self.q, device=device)
-            self._index = (which, rows)
+            which = [i for i, n in enumerate(self.sizes) for _ in range(n)]
+            rows = [start + k for start, n in zip(self.starts, self.sizes, strict=True) for k in range(n)]
+            self._index = (torch.tensor(which, device=device), torch.tensor(rows, device=device))
         return self._index
 
     def keep_rows(self, slot: int, start: int, rows: torch.Tensor) -> None:

@@ -5,7 +5,8 @@ Each round feeds the root plus the draft tree in one forward (`verify`), then ke
 the accepted nodes in the cache (`commit`); the correction/bonus token becomes the next root.
 Plain decoding is the same round with an empty tree: one forward over the root.
 Several sequences share a forward (`verify_batch`): each owns a slot of the cache (runtime/kvcache.py), its rows
-padded to the widest tree's, every row masked to its own sequence's keys.
+packed end to end with the others' (padded to the widest tree's without the fast path's attention), every row
+masked to its own sequence's keys.
 No modeling file is copied: the model's own forward runs with a float 4D tree mask and explicit
 position ids. The fast path (on by default) is in three small pieces: a preallocated cache that commits a branch
 by moving only its rows (runtime/kvcache.py), prepacked linear kernels (runtime/kernels.py) and grouped-query
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from headstart.runtime.attention import AttentionLayout, MaskBuffer, use_grouped_sdpa
+from headstart.runtime.attention import AttentionLayout, MaskBuffer, Packing, use_grouped_sdpa
 from headstart.runtime.kernels import Prepacked, prepack_linears
 from headstart.runtime.kvcache import SlotCache
 from headstart.runtime.tree import DraftTree, tree_visibility
@@ -185,11 +186,14 @@ class Target:
     @torch.inference_mode()
     def verify_batch(self, roots: list[int], trees: list[DraftTree], layers: tuple[int, ...] = (-1,)) -> list[Verified]:
         """`verify` for the sequences in slots 0, 1, ..., len(roots) - 1 in one forward: each feeds its root and
-        tree, padded to the widest (padding rows repeat the root and are never committed); every row sees only
-        its own sequence's committed keys and tree ancestors (and its window). One sequence: `verify`."""
+        tree; every row sees only its own sequence's committed keys and tree ancestors (and its window). With the
+        fast path's attention the rows are packed end to end (`attention.Packing`: the linear layers see only real
+        rows, attention reads them padded); without it they are padded to the widest tree (padding rows repeat the
+        root and are never committed). One sequence: `verify`."""
         if len(roots) == 1:
             return [self.verify(roots[0], trees[0], layers)]
         r, q = len(roots), max(len(t) for t in trees) + 1
+        sizes = [len(t) + 1 if self.grouped else q for t in trees]  # rows each sequence feeds
         pasts = self.lengths[:r]
         t0 = time.perf_counter()
         kv_len = max(pasts) + q
@@ -208,25 +212,40 @@ class Target:
             key_pos[i, past : past + q] = past + depths
             ids[i] = torch.tensor([root, *tree.tokens] + [root] * (q - n - 1))
         mask = self.layout.batch_masks(allowed, positions, key_pos, self.dtype, self.device)
+        packing = Packing.of(sizes, self.device) if self.grouped else None
+        if packing is not None:  # (r, q) -> (1, N): each sequence's own rows, end to end
+            real = torch.arange(q)[None] < torch.tensor(sizes)[:, None]  # (r, q)
+            ids, positions = ids[real][None], positions[real][None]
         mask_s = time.perf_counter() - t0
-        out = self._forward(ids.to(self.device), mask, positions.to(self.device), layers, 0, pasts)
+        out = self._forward(ids.to(self.device), mask, positions.to(self.device), layers, 0, pasts, sizes, packing)
         for i, past in enumerate(pasts):
-            self.lengths[i], self._fed[i] = past + q, q
-        hidden = features(out.hidden_states, layers) if layers else None
+            self.lengths[i], self._fed[i] = past + sizes[i], sizes[i]
+        hidden = features(out.hidden_states, layers) if layers else None  # (r, q, F) or (1, N, F)
+        logits = out.logits if packing is None else out.logits[0].split(sizes)  # per sequence: (q, V) or (n+1, V)
+        if hidden is not None:
+            hidden = hidden if packing is None else hidden[0].split(sizes)
         lm_head_s = self._lm_head_s()
         return [
-            Verified(
-                out.logits[i, : len(t) + 1], None if hidden is None else hidden[i, : len(t) + 1], mask_s, lm_head_s
-            )
+            Verified(logits[i][: len(t) + 1], None if hidden is None else hidden[i][: len(t) + 1], mask_s, lm_head_s)
             for i, t in enumerate(trees)
         ]
 
     def _forward(
-        self, ids, mask, positions, layers: tuple[int, ...] | None, first: int, starts: list[int], logits_to_keep=0
+        self,
+        ids,
+        mask,
+        positions,
+        layers: tuple[int, ...] | None,
+        first: int,
+        starts: list[int],
+        sizes: list[int] | None = None,
+        packing: Packing | None = None,
+        logits_to_keep=0,
     ):
-        """The model's forward over `ids` (r, q) fed to slots first.. from rows `starts` (logits of the last
-        `logits_to_keep` rows, 0: all; hidden states for `layers`, None: all)."""
-        self.cache.feed(first, list(starts), ids.shape[1])
+        """The model's forward over `ids` (r, q) fed to slots first.. from rows `starts`, or `sizes` rows each
+        packed as (1, N) (`packing`); logits of the last `logits_to_keep` rows (0: all); hidden states for `layers`
+        (None: all)."""
+        self.cache.feed(first, list(starts), max(sizes) if sizes else ids.shape[1], sizes)
         if self._lm_head_clock is not None:
             self._lm_head_clock[1] = 0.0
         return self.model(
@@ -237,6 +256,7 @@ class Target:
             use_cache=True,
             output_hidden_states=_hidden_states_wanted(layers),
             logits_to_keep=logits_to_keep,
+            **({} if packing is None else {"packing": packing}),
         )
 
     def _lm_head_s(self) -> float:

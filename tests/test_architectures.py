@@ -19,6 +19,7 @@ import transformers as tf
 from transformers import AutoTokenizer
 
 from headstart.heads.checkpoint import build_heads
+from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.model import layerskip_model
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.generate import Request, decode_all
@@ -151,12 +152,25 @@ def test_lookup_and_layerskip_drafts_are_accepted(family, drafter):
     assert seen.accepted > 0, f"{name} {drafter}: no draft token accepted ({seen})"
 
 
-def test_batched_distillation_decodes_as_generate(family):
-    # several sequences at once, each at its own positions, past the sliding window: the tokens of `generate`
+def test_batched_decoding_gives_generate_tokens(family):
+    # several sequences at once, each at its own positions, past the sliding window, plain rows beside trees of
+    # 6 and 2 nodes (packed end to end by the fast path) that commit rank > 0 siblings: the tokens of `generate`
     name, model, _, _ = family
     prompts = [*PROMPTS, [*PROMPTS[0][:3], 30, 31]]
-    requests = [Request(ids, max_new_tokens=NEW_TOKENS, owner=i) for i, ids in enumerate(prompts)]
-    got = {r.owner: r.context[len(r.prompt_ids) :] for r in decode_all(Target(model, slots=2), requests)}
-    for i, ids in enumerate(prompts):
-        want = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
-        assert got[i] == want.tolist(), f"{name}: prompt {i}"
+    want = [
+        model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
+        for ids in prompts
+    ]
+    answers = {tuple(ids): w.tolist() for ids, w in zip(prompts, want, strict=True)}
+    drafters = [
+        Drafter(),
+        SecondGuess(answers, COMMON["vocab_size"], depth=3),
+        SecondGuess(answers, COMMON["vocab_size"], depth=1),
+    ]
+    requests = [Request(ids, max_new_tokens=NEW_TOKENS, owner=i, drafter=drafters[i]) for i, ids in enumerate(prompts)]
+    got = {r.owner: r.context[len(r.prompt_ids) :] for r in decode_all(Target(model, slots=3), requests)}
+    for i in range(len(prompts)):
+        assert got[i] == want[i].tolist(), f"{name}: prompt {i}"
+    assert sum(requests[1].stats.accepted_per_depth) >= NEW_TOKENS // 2, (
+        f"{name}: the trees beside plain rows committed little"
+    )

@@ -75,10 +75,11 @@ def _model(family: str = "llama"):
     return model.eval().requires_grad_(False)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_each_sequence_decodes_its_own_greedy_tokens_beside_others(family):
+def test_each_sequence_decodes_its_own_greedy_tokens_beside_others(family, fast):
     model = _model(family)
-    target = Target(model, fast=False, slots=4)
+    target = Target(model, fast=fast, slots=4)
     batch = Batch(target, prefill_chunk=3, prefix=SharedPrefix(PREFIX))
     guess = SecondGuess({tuple(PROMPTS[1]): _greedy(model, PROMPTS[1], NEW)}, vocab_size=64)
     requests = [

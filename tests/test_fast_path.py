@@ -233,3 +233,42 @@ def test_fast_target_verifies_a_tree_without_repeating_the_cache(monkeypatch):
         scored[fast] = target.verify(3, DraftTree([1, 2, 3, 4], [-1, 0, -1, 2])).logits
     assert repeats == {False: 2 * 2, True: 0}  # stock: keys and values in each of the 2 layers; fast: never
     torch.testing.assert_close(scored[True], scored[False], atol=1e-4, rtol=0)
+
+
+def test_a_batch_packed_end_to_end_scores_as_padded_and_writes_only_its_rows(monkeypatch):
+    """Three sequences verify trees of 0, 3 and 1 nodes in one forward. Padded (the stock target), every sequence
+    feeds 4 rows (12 in all); packed (the fast path's attention), each feeds its own, 1 + 4 + 2 = 7:
+
+        sequence 0: root                     rows 0
+        sequence 1: root, a, b (a's child), c  rows 1-4
+        sequence 2: root, d                  rows 5-6
+
+    The linear layers see 7 rows; every sequence's logits and features equal the padded forward's, and the cache
+    holds what the padded one holds after each commit, round after round."""
+    trees = [DraftTree(), DraftTree([4, 5, 6], [-1, 0, -1]), DraftTree([7], [-1])]
+    prompts = [PROMPT, PROMPT[:4], [3, 3, 8, 1, 9, 2, 6]]
+    rows_seen: list[int] = []
+    got = {}
+    for fast in (False, True):
+        model = tiny_llama(vocab_size=64, init_std=0.2).double()
+        target = Target(model, fast=fast, slots=3)
+        if fast:
+            hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: rows_seen.append(a[0].shape[1]))
+        for slot, p in enumerate(prompts):
+            target.prefill(p, slot=slot)
+        rounds = []
+        for step in range(3):
+            verified = target.verify_batch([11, 12, 13], trees, layers=(-1,))
+            rounds.append([(v.logits, v.hidden) for v in verified])
+            for slot, path in enumerate([[], [[2], [0, 1], [0]][step], [0]]):  # c; a, b; a: siblings, then chains
+                target.commit(path, slot)
+        got[fast] = (rounds, list(target.lengths))
+        if fast:
+            hook.remove()
+    assert rows_seen[-3:] == [7, 7, 7]  # packed: 1 + 4 + 2 rows a forward, not 3 x 4
+    assert got[True][1] == got[False][1]
+    for packed, padded in zip(got[True][0], got[False][0], strict=True):
+        for (lp, hp), (lq, hq) in zip(packed, padded, strict=True):
+            assert lp.shape == lq.shape
+            torch.testing.assert_close(lp, lq, atol=1e-10, rtol=0)
+            torch.testing.assert_close(hp, hq, atol=1e-10, rtol=0)
