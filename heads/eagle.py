@@ -92,6 +92,7 @@ class EagleHead(nn.Module):
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # None = causal; else a float 4D mask (B, 1, T, past+T)
         cache=None,
+        **attention_kwargs,  # to the attention function (runtime/attention.py: `packing`)
     ) -> torch.Tensor:
         """Predicted features at t+1, (B, T, H)."""
         x = self.fc(torch.cat([next_embeds, features], dim=-1))
@@ -103,4 +104,5 @@ class EagleHead(nn.Module):
             position_embeddings=cos_sin,
             cache=cache,
             use_cache=cache is not None,
+            **attention_kwargs,
         )

@@ -137,6 +137,7 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         position_ids: torch.Tensor | None = None,
         cache=None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **attention_kwargs,
     ) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2H)
@@ -148,6 +149,7 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
             cache=cache,
             use_cache=cache is not None,
             position_embeddings=position_embeddings,
+            **attention_kwargs,
         )
         s = residual + attn
         return s + self.mlp(self.post_attention_layernorm(s))
@@ -241,11 +243,12 @@ class Eagle3Head(nn.Module):
         position_ids: torch.Tensor,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # None = causal; else a float 4D mask (B, 1, T, past+T)
         cache=None,
+        **attention_kwargs,  # to the attention function (runtime/attention.py: `packing`)
     ) -> torch.Tensor:
         """y (B, T, H): the draft layers' output (normed with `norm_output`), the next step's `hidden`."""
         u = self.fuse(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
         cos_sin = self.rotary(u, position_ids)
-        y = self.midlayer(next_embeds.to(u.dtype), u, attention_mask, position_ids, cache, cos_sin)
+        y = self.midlayer(next_embeds.to(u.dtype), u, attention_mask, position_ids, cache, cos_sin, **attention_kwargs)
         for layer in self.extra_layers:
             y = layer(
                 y,
@@ -254,6 +257,7 @@ class Eagle3Head(nn.Module):
                 cache=cache,
                 use_cache=cache is not None,
                 position_embeddings=cos_sin,
+                **attention_kwargs,
             )
         return self.norm(y) if self.norm_output else y
 

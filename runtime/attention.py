@@ -14,6 +14,7 @@ branch; the masks keep the attention exact instead.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -180,13 +181,32 @@ def use_grouped_sdpa(model: nn.Module) -> bool:
     """Switch `model` (a transformers model running SDPA) to `grouped_sdpa` (a model without grouped queries gets
     stock SDPA through it, and packed rows: `Packing`); False, unchanged, for any other attention implementation
     (eager, flash, flex: their own kernels)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     config = model.config
     if config._attn_implementation != "sdpa" or not getattr(config, "num_attention_heads", None):
         return False
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)  # masks built as for SDPA
+    _register()
     model.set_attn_implementation(GROUPED_SDPA)
     return True
+
+
+def attend_with_grouped_sdpa(module: nn.Module) -> None:
+    """`use_grouped_sdpa` for a module built of transformers layers that is no model (a drafter's head): its layers
+    running SDPA run `grouped_sdpa`, each through a copy of its config (an EAGLE head's layers hold the target's own
+    config object, which stays as it is)."""
+    copies: dict[int, object] = {}
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+            _register()
+            if id(config) not in copies:
+                copies[id(config)] = copy.copy(config)
+                copies[id(config)]._attn_implementation = GROUPED_SDPA
+            m.config = copies[id(config)]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)  # masks built as for SDPA

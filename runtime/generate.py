@@ -21,6 +21,7 @@ import torch
 
 from headstart.runtime.accept import accept_path
 from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.together import propose_all
 from headstart.runtime.sampling import Rng, SamplingParams
 from headstart.runtime.target import Target, features
 from headstart.runtime.tree import DraftTree
@@ -202,7 +203,7 @@ class Batch:
         target, phases = self.target, Phases()
         if self.planner is not None:
             self.planner([r.drafter for r in live], [r.context for r in live])
-        trees = [r.drafter.propose(r.context) for r in live]
+        trees = propose_all([r.drafter for r in live], [r.context for r in live])  # heads' forwards batched
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()
             for r, t in zip(live, trees, strict=True)

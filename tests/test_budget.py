@@ -189,8 +189,8 @@ class Recorded(Budgeted):
         super().clear_record()
         self.widths: list[tuple[int, int]] = []
 
-    def propose(self, context):
-        tree = super().propose(context)
+    def drafting(self, context):
+        tree = yield from super().drafting(context)
         if len(tree):
             self.widths.append((len(tree), self.plan.nodes))
         return tree

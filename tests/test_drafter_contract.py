@@ -7,7 +7,9 @@ draft models, and each with lookup grafted on), built through the registry as us
    fixed), and no run ever writes a sequence the target gives probability 0 (top-p cuts many);
 3. cache in sync: after every round the target's KV cache equals a fresh prefill of the sequence;
 4. forks: a drafter's forks (its weights shared, a state each) decode sequences side by side in one batch, each
-   sequence's tokens its greedy ones.
+   sequence's tokens its greedy ones;
+5. together: forks drafting together (`together.propose_all`, their head forwards batched) propose, round after
+   round, the trees each proposes alone, at T = 0 and T > 0.
 
 The set-up (`helpers.drafters`, fixture `tiny_drafters` in conftest.py): a tiny random Llama over 8 tokens, random
 heads, a one-layer draft model.
@@ -111,3 +113,54 @@ def test_forks_decode_side_by_side(name, tiny_drafters):
         assert r.context[len(r.prompt_ids) :] == hf[0, len(r.prompt_ids) :].tolist(), f"{name}: {r.prompt_ids}"
     accepted = sum(sum(r.stats.accepted_per_depth) for r in requests)
     assert (accepted > 0) == (name != "none"), f"{name}: {accepted} draft tokens accepted"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", names())
+def test_forks_drafting_together_propose_what_each_proposes_alone(name, temperature, tiny_drafters, monkeypatch):
+    """Three sequences decoded in one batch twice: their drafters' head forwards batched (one forward per step for
+    the three: `together.propose_all`), then each drafting alone (`propose`). Every round proposes the same trees
+    (tokens, parents, and the q of sampled nodes), so the batch decodes the same tokens."""
+    import headstart.runtime.generate as generate
+    from headstart.runtime.drafters import together
+
+    model = tiny_drafters[0]
+    batched = {"steps": 0}
+    run_together = together.run_together
+
+    def counted(steps):
+        batched["steps"] += len(steps) > 1
+        return run_together(steps)
+
+    monkeypatch.setattr(together, "run_together", counted)
+    runs = []
+    for propose in (
+        together.propose_all,
+        lambda drafters, contexts: [d.propose(c) for d, c in zip(drafters, contexts, strict=True)],
+    ):
+        trees: list[list] = []
+
+        def recorded(drafters, contexts, propose=propose, trees=trees):
+            out = propose(drafters, contexts)
+            trees.append([(t.tokens, t.parents, None if t.draft_probs is None else t.draft_probs.clone()) for t in out])
+            return out
+
+        monkeypatch.setattr(generate, "propose_all", recorded)
+        drafter = build(name, tiny_drafters)
+        sampling = SamplingParams(temperature=temperature, top_p=0.9)
+        requests = [
+            Request(list(p), d, sampling, max_new_tokens=20, seed=i)
+            for i, (p, d) in enumerate(zip(PROMPTS, [drafter, drafter.fork(), drafter.fork()], strict=True))
+        ]
+        list(decode_all(Target(model, slots=3), requests))
+        runs.append((trees, [r.context for r in requests]))
+    (together_trees, together_out), (alone_trees, alone_out) = runs
+    assert together_out == alone_out
+    assert len(together_trees) == len(alone_trees)
+    for mine, theirs in zip(together_trees, alone_trees, strict=True):
+        for (tokens, parents, q), (tokens2, parents2, q2) in zip(mine, theirs, strict=True):
+            assert (tokens, parents) == (tokens2, parents2)
+            if q is not None:
+                torch.testing.assert_close(q, q2, atol=1e-6, rtol=1e-5)
+    head = name.split("+")[0] in ("eagle", "eagle3")
+    assert (batched["steps"] > 0) == head, f"{name}: {batched['steps']} batched head forwards"

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from headstart.runtime.sampling import MIN_TEMPERATURE, SamplingParams
 from headstart.runtime.tree import DraftTree
+
+if TYPE_CHECKING:
+    from headstart.runtime.drafters.together import Drafting
 
 
 class Drafter:
@@ -39,6 +43,13 @@ class Drafter:
     def propose(self, context: list[int]) -> DraftTree:
         """A tree of guesses for the tokens after `context[-1]`."""
         return DraftTree()
+
+    def drafting(self, context: list[int]) -> Drafting:
+        """`propose` as a generator of the head forwards it needs (`runtime/drafters/together.py`: the forks of a
+        drafter with a head draft together, one forward per step for the batch); a drafter without a head asks for
+        none."""
+        return self.propose(context)
+        yield  # a generator, which yields nothing
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         """The target accepted `path` of `tree` (its features `hidden`, (n+1, F), or None) and chose `next_token`."""

@@ -22,6 +22,7 @@ from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.eagle import EagleDrafter
 from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.lookup import build_trie
+from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree
 
@@ -101,16 +102,19 @@ class Budgeted(Drafter):
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
+        return drive(self.drafting(context))
+
+    def drafting(self, context: list[int]) -> Drafting:
         plan, self._round = self.plan, None
         if plan is None:
             return DraftTree()
         heads, curve = self.heads, self._curve()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # an uncalibrated drafter's own time (a head's steps, drafted together, are not)
         if curve:
             heads.size(plan.heads)  # 0: nothing of its own, its queued pairs wait
-            tree = heads.propose(context)
+            tree = yield from heads.drafting(context)
         else:
-            tree = heads.propose(context).prefix(plan.heads) if plan.heads else DraftTree()
+            tree = (yield from heads.drafting(context)).prefix(plan.heads) if plan.heads else DraftTree()
         seconds, own = time.perf_counter() - t0, len(tree)
         graft = self.graft
         if plan.graft and graft is not None:

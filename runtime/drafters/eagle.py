@@ -38,11 +38,12 @@ from transformers import DynamicCache
 
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
-from headstart.heads.masks import additive_mask
+from headstart.runtime.attention import attend_with_grouped_sdpa
 from headstart.runtime.budget import Offer
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, scale_accuracy
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
+from headstart.runtime.drafters.together import Drafting, HeadStep, drive
 from headstart.runtime.kernels import prepack_like_target
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, choose_tree_shape
@@ -72,6 +73,7 @@ class EagleDrafter(SamplingDrafter):
         super().__init__(lm_head.weight.device, o.draft_temperature)
         self.head, self.embed, self.readout = head, embed, head.readout(lm_head, o.draft_vocab)
         prepack_like_target(lm_head, head, self.readout)  # packed kernels when the target's are
+        attend_with_grouped_sdpa(head)  # it reads packed rows when sequences draft together (`together.py`)
         self.feature_layers = head.feature_layers
         self.name = name
         self.vocab_size = lm_head.weight.shape[0]
@@ -138,22 +140,12 @@ class EagleDrafter(SamplingDrafter):
     def _committed(self) -> int:
         return self.cache.get_seq_length()
 
-    def _run_head(self, features: torch.Tensor, tokens: list[int], positions: torch.Tensor, allowed: torch.Tensor):
-        """Append len(tokens) entries to the head's cache; (n, H) the head's outputs (EAGLE: predicted next features;
-        EAGLE-3: y, read out through its own norm and lm_head). `features` is (n, F)."""
-        device = features.device
-        embeds = self.embed(torch.tensor(tokens, device=device))
-        mask = additive_mask(allowed, features.dtype, device)
-        out = self.head(features[None], embeds[None], positions[None].to(device), mask, cache=self.cache)
-        return out[0]
-
-    @torch.inference_mode()
-    def _commit(self, features: torch.Tensor, tokens: list[int]) -> None:
-        """Pairs (feature(t), token(t+1)) of newly committed positions; sets the root's predicted feature."""
-        past, n = self._committed, len(tokens)
-        allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)  # causal over the new entries
-        out = self._run_head(features, tokens, torch.arange(past, past + n), allowed)
-        self._root_feature = out[-1]
+    def _step(
+        self, features: torch.Tensor, tokens: list[int], positions: torch.Tensor, allowed: torch.Tensor, read: int
+    ):
+        """A head forward appending len(tokens) entries to the head's cache (`together.HeadStep`): `features` (n, F),
+        `allowed` (n, past + n); the last `read` outputs read out."""
+        return HeadStep(self.head, self.readout, self.embed, self.cache, features, tokens, positions, allowed, read)
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()
@@ -175,6 +167,9 @@ class EagleDrafter(SamplingDrafter):
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
+        return drive(self.drafting(context))
+
+    def drafting(self, context: list[int]) -> Drafting:
         self._drafted = 0
         if not self.budget:
             return DraftTree()
@@ -182,7 +177,12 @@ class EagleDrafter(SamplingDrafter):
             features = torch.cat([f for f, _ in self._pending])
             tokens = [t for _, queued in self._pending for t in queued]
             self._pending = []
-            self._commit(features, tokens)
+            past, n = self._committed, len(tokens)
+            allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)  # causal over the new entries
+            out, root_logits = yield self._step(features, tokens, torch.arange(past, past + n), allowed, read=1)
+            self._root_feature = out[-1]  # (H,) the predicted feature at the root
+        elif self._root_feature is not None:
+            root_logits = self.readout(self._root_feature[None])
         if self._root_feature is None:
             return DraftTree()
         past = self._committed
@@ -191,7 +191,7 @@ class EagleDrafter(SamplingDrafter):
             grow = ShapeSampler(self.shape, self.draft_sampling, self.vocab_size, self.generator, self.min_prob)
         else:
             grow = TreeGrower(self.top_k, self.budget, self.min_prob)
-        frontier = grow.add_children([-1], self.readout(self._root_feature[None]), self.readout.to_target)
+        frontier = grow.add_children([-1], root_logits, self.readout.to_target)
         for depth in range(1, self.depth):  # expand nodes at `depth`: their children are at depth + 1
             expand, allowed = grow.expand(frontier, past)  # allowed: (m, past + drafted)
             if not expand:
@@ -199,8 +199,8 @@ class EagleDrafter(SamplingDrafter):
             parents = [grow.parents[n] for n in expand]
             inputs = torch.stack([feature[p] if p >= 0 else self._root_feature for p in parents])  # (m, H)
             positions = torch.full((len(expand),), past + depth - 1)
-            out = self._run_head(inputs, [grow.tokens[n] for n in expand], positions, allowed)  # (m, H)
-            logits = self.readout(out)  # (m, N): N = V unless the head has a reduced draft vocabulary
+            step = self._step(inputs, [grow.tokens[n] for n in expand], positions, allowed, read=len(expand))
+            out, logits = yield step  # (m, H), (m, N): N = V unless the head has a reduced draft vocabulary
             feature.update(zip(expand, out, strict=True))
             frontier = grow.add_children(expand, logits, self.readout.to_target)
         if grow.n_drafted:

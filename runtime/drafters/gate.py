@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree
 
@@ -55,9 +56,12 @@ class GatedDrafter(Drafter):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
 
     def propose(self, context: list[int]) -> DraftTree:
+        return drive(self.drafting(context))
+
+    def drafting(self, context: list[int]) -> Drafting:
         if not self.speculate() or (self.gate is not None and not self.gate.speculate()):
             return DraftTree()
-        return self.inner.propose(context)
+        return (yield from self.inner.drafting(context))
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         if tree and self.gate is not None:

@@ -19,6 +19,7 @@ import torch
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.lookup import LookupDrafter, build_trie
 from headstart.runtime.drafters.options import GraftOptions
+from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree
 
@@ -38,7 +39,11 @@ class LookupGraft(Drafter):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
 
     def propose(self, context: list[int]) -> DraftTree:
-        return build_trie(self.lookup.find_branches(context), self.budget, onto=self.inner.propose(context))
+        return drive(self.drafting(context))
+
+    def drafting(self, context: list[int]) -> Drafting:
+        inner = yield from self.inner.drafting(context)
+        return build_trie(self.lookup.find_branches(context), self.budget, onto=inner)
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         self.inner.observe(tree, path, hidden, next_token)  # the inner drafter reads tokens and features only

@@ -44,9 +44,9 @@ def assert_greedy_identity(model, drafter: Drafter, prompts: list[list[int]], ma
     inner = getattr(drafter, "inner", drafter)  # `NAME+lookup` grafts onto NAME's tree, whose nodes come first
     proposed, first_children = 0, set()
 
-    def propose(context: list[int]):
+    def drafting(context: list[int]):
         nonlocal proposed
-        tree = type(inner).propose(inner, context)
+        tree = yield from type(inner).drafting(inner, context)
         proposed = len(tree)
         return tree
 
@@ -60,7 +60,7 @@ def assert_greedy_identity(model, drafter: Drafter, prompts: list[list[int]], ma
         seen.head_accepted += sum(node < proposed for node in path)
         type(target).commit(target, path, slot)
 
-    inner.propose, target.verify, target.commit = propose, verify, commit  # recorded, then called as they are
+    inner.drafting, target.verify, target.commit = drafting, verify, commit  # recorded, then called as they are
     try:
         for prompt in prompts:
             stats = GenerationStats()
@@ -72,7 +72,7 @@ def assert_greedy_identity(model, drafter: Drafter, prompts: list[list[int]], ma
             seen.new_tokens += stats.new_tokens
             seen.accepted += sum(stats.accepted_per_depth)
     finally:
-        del inner.propose
+        del inner.drafting
     return seen
 
 

@@ -1,0 +1,145 @@
+"""Drafting for many sequences at once: their heads' forwards batched, one forward per drafting step for the batch.
+
+A drafter that runs a head drafts as a generator (`Drafter.drafting`): it yields each head forward it needs (a
+`HeadStep`: the rows to feed its own head cache, the mask over that cache, how many output rows to read out) and
+receives the head's outputs and readout logits. `propose_all` runs every sequence's generator in lockstep: the
+steps of one round's depth that share a head (the forks of one drafter share it) become one forward, their rows
+packed end to end as the target's are (`attention.Packing`: the linear layers see each sequence's own rows;
+attention reads each sequence's own cache, padded), then one readout over every row read. A sequence alone takes
+the same path as `propose`, row for row. Wrappers (grafted lookup, the budget, the gate) draft with `yield from`
+their inner drafter's generator.
+
+The tree a sequence drafts depends on its own cache, context and random stream only: batching changes the float
+rounding of a forward (another row count), never which rows a sequence reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headstart.heads.masks import additive_mask
+from headstart.runtime.attention import Packing, attend_with_grouped_sdpa
+from headstart.runtime.tree import DraftTree
+
+
+@dataclass
+class HeadStep:
+    """One head forward of one sequence: append `tokens`' pairs to `cache` (rows at `positions`, (n,), each seeing
+    the keys `allowed` marks, (n, past + n)) and read out the last `read` outputs."""
+
+    head: nn.Module
+    readout: nn.Module
+    embed: nn.Module
+    cache: object  # the sequence's own head cache (a transformers DynamicCache)
+    features: torch.Tensor  # (n, F) target features, or the head's own outputs
+    tokens: list[int]
+    positions: torch.Tensor  # (n,)
+    allowed: torch.Tensor  # (n, past + n) bool
+    read: int  # outputs read out, from the last
+
+    def group(self) -> tuple[int, int, int]:
+        """Steps of one group share a forward: the same head and readout, inputs of the same width."""
+        return id(self.head), id(self.readout), self.features.shape[-1]
+
+
+Drafting = Generator[HeadStep, tuple[torch.Tensor, torch.Tensor | None], DraftTree]
+
+
+def run_alone(step: HeadStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's outputs (n, H) and the logits (read, N) of the last `read` of them, for one sequence."""
+    device = step.features.device
+    embeds = step.embed(torch.tensor(step.tokens, device=device))
+    mask = additive_mask(step.allowed, step.features.dtype, device)
+    out = step.head(step.features[None], embeds[None], step.positions[None].to(device), mask, cache=step.cache)[0]
+    return out, step.readout(out[-step.read :]) if step.read else None
+
+
+def run_together(steps: list[HeadStep]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`run_alone` for several sequences sharing a head, in one head forward and one readout."""
+    if len(steps) == 1:
+        return [run_alone(steps[0])]
+    first = steps[0]
+    device, dtype = first.features.device, first.features.dtype
+    attend_with_grouped_sdpa(first.head)
+    sizes = [len(s.tokens) for s in steps]
+    q, kv = max(sizes), max(s.allowed.shape[1] for s in steps)
+    allowed = torch.zeros(len(steps), q, kv, dtype=torch.bool)  # (r, q, kv) over each sequence's own cache
+    allowed[:, :, 0] = True  # padding rows see a key: nothing reads them
+    for i, s in enumerate(steps):
+        allowed[i, : sizes[i], : s.allowed.shape[1]] = s.allowed
+    features = torch.cat([s.features for s in steps])[None]  # (1, N, F)
+    embeds = first.embed(torch.tensor([t for s in steps for t in s.tokens], device=device))[None]  # (1, N, H)
+    positions = torch.cat([s.positions for s in steps])[None].to(device)  # (1, N)
+    cache = _Stacked([s.cache for s in steps], sizes)
+    mask = additive_mask(allowed, dtype, device)  # (r, 1, q, kv)
+    out = first.head(features, embeds, positions, mask, cache=cache, packing=Packing.of(sizes, device))[0]
+    outs = out.split(sizes)  # each (n_i, H)
+    reads = [o[-s.read :] for o, s in zip(outs, steps, strict=True) if s.read]
+    logits = iter(first.readout(torch.cat(reads)).split([s.read for s in steps if s.read]) if reads else ())
+    return [(o, next(logits) if s.read else None) for o, s in zip(outs, steps, strict=True)]
+
+
+class _Stacked:
+    """The head caches of several sequences as one for a packed forward: each layer's new keys and values (1, G, N,
+    D) go to their own sequence's cache; attention reads every sequence's cache, right-padded to the longest,
+    (r, G, kv, D)."""
+
+    def __init__(self, caches: list, sizes: list[int]) -> None:
+        self.caches, self.sizes = caches, sizes
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = [], []
+        for cache, k, v in zip(self.caches, key.split(self.sizes, dim=2), value.split(self.sizes, dim=2), strict=True):
+            k, v = cache.update(k, v, layer_idx)  # (1, G, past_i + n_i, D)
+            keys.append(k[0])
+            values.append(v[0])
+        return _pad_stack(keys), _pad_stack(values)
+
+
+def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:
+    """(G, L_i, D) each -> (r, G, max L_i, D), zeros after each one's own."""
+    g, _, d = rows[0].shape
+    out = rows[0].new_zeros(len(rows), g, max(x.shape[1] for x in rows), d)
+    for i, x in enumerate(rows):
+        out[i, :, : x.shape[1]] = x
+    return out
+
+
+def drive(drafting: Drafting) -> DraftTree:
+    """Run one sequence's drafting to its tree, each head step alone."""
+    try:
+        step = next(drafting)
+        while True:
+            step = drafting.send(run_alone(step))
+    except StopIteration as done:
+        return done.value
+
+
+@torch.inference_mode()
+def propose_all(drafters: list, contexts: list[list[int]]) -> list[DraftTree]:
+    """Every sequence's tree (`Drafter.propose` of each), their head forwards batched step by step."""
+    trees: list[DraftTree | None] = [None] * len(drafters)
+    running: dict[int, tuple[Drafting, HeadStep]] = {}
+
+    def advance(i: int, drafting: Drafting, answer) -> None:
+        try:
+            step = next(drafting) if answer is None else drafting.send(answer)
+            running[i] = (drafting, step)
+        except StopIteration as done:
+            trees[i] = done.value
+
+    for i, (d, c) in enumerate(zip(drafters, contexts, strict=True)):
+        advance(i, d.drafting(c), None)
+    while running:
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, (_, step) in running.items():
+            groups.setdefault(step.group(), []).append(i)
+        for members in groups.values():
+            answers = run_together([running[i][1] for i in members])
+            for i, answer in zip(members, answers, strict=True):
+                advance(i, running.pop(i)[0], answer)
+    return trees
