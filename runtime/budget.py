@@ -44,9 +44,10 @@ class Offer(NamedTuple):
 
     nodes: int  # rows it adds beyond the root (an upper bound: the tree is cut to the width it is given)
     gain: float  # expected draft nodes accepted (tokens beyond the target's own one)
-    draft_ms: float  # what drafting it costs
+    draft_ms: float  # what drafting it alone costs
     heads: int = 0  # nodes the drafter's own model drafts (the rest: grafted lookup branches)
     graft: bool = False  # lookup branches grafted on
+    shared_ms: float = 0.0  # of draft_ms, what sequences drafting together pay once (their head forwards' weights)
 
 
 def allocate(
@@ -58,34 +59,41 @@ def allocate(
     error: a gain it cannot tell from that error is not taken); `overhead_ms`: what a round costs beyond the forward
     and the drafting, whatever its plan (the loop's own work per sequence: accepting, committing, streaming).
 
-    Every width's Dinkelbach iteration runs at once, as arrays over (width, sequence, offer): the server plans
-    every round, and one Python loop per width and sequence cost ~1 ms a round at 16 sequences."""
+    Sequences that draft with one head draft together (runtime/drafters/together.py): a plan pays the largest
+    `shared_ms` of its offers once and the rest of each offer's drafting, so every level of shared drafting is a case
+    beside every width (offers above it do not fit).
+
+    Every case's Dinkelbach iteration runs at once, as arrays over (case, sequence, offer): the server plans every
+    round, and one Python loop per case and sequence cost ~1 ms a round at 16 sequences."""
     b = len(offers)
     plain = b / (cost.forward_ms(b, 0, longest) + overhead_ms) * (1 + margin)
     offered = {o.nodes for own in offers for o in own if o.nodes > 0}
     if not offered:
         return 0, [None] * b
-    widths = np.array(sorted(offered & set(WIDTHS) | {max(offered)}), dtype=np.float64)  # (W,)
+    widths = sorted(offered & set(WIDTHS) | {max(offered)})
+    levels = sorted({0.0} | {o.shared_ms for own in offers for o in own})
+    width = np.repeat(np.array(widths, dtype=np.float64), len(levels))  # (C,) each case's width ...
+    level = np.tile(np.array(levels), len(widths))  # (C,) ... and shared drafting
     m = max(len(own) for own in offers)
-    table = np.zeros((3, b, m))  # nodes, gain, draft ms of each sequence's offers, padded with unfit ones
+    table = np.zeros((4, b, m))  # nodes, gain, draft ms, shared ms of each sequence's offers, padded with unfit ones
     table[0] = np.inf
     for i, own in enumerate(offers):
         if own:
-            table[:, i, : len(own)] = np.array([o[:3] for o in own], dtype=np.float64).T
-    nodes, gain, ms = table
-    fits = (nodes > 0) & (nodes[None] <= widths[:, None, None])  # (W, B, M)
-    forward = np.array([cost.base_ms(b, int(w), longest) + overhead_ms for w in widths])  # (W,)
-    per_node = np.array([cost.node_ms(b, int(w)) for w in widths])[:, None, None]  # (W, 1, 1)
-    spend = ms + per_node * np.where(np.isfinite(nodes), nodes, 0)  # (W, B, M): an offer's ms at each width
-    rate = np.maximum(plain, b / forward)  # a width that cannot beat plain keeps no plan
-    chosen = np.full((len(widths), b), -1)  # (W, B): each sequence's offer at each width's best rate, -1: plain
+            table[:, i, : len(own)] = np.array([[o.nodes, o.gain, o.draft_ms, o.shared_ms] for o in own]).T
+    nodes, gain, ms, shared = table
+    fits = (nodes > 0) & (nodes[None] <= width[:, None, None]) & (shared[None] <= level[:, None, None])  # (C, B, M)
+    forward = np.array([cost.base_ms(b, int(w), longest) for w in width]) + level + overhead_ms  # (C,)
+    per_node = np.array([cost.node_ms(b, int(w)) for w in width])[:, None, None]  # (C, 1, 1)
+    spend = ms - shared + per_node * np.where(np.isfinite(nodes), nodes, 0)  # (C, B, M): an offer's own ms
+    rate = np.maximum(plain, b / forward)  # a case that cannot beat plain keeps no plan
+    chosen = np.full((len(width), b), -1)  # (C, B): each sequence's offer at each case's best rate, -1: plain
     rows = np.arange(b)
-    while True:  # Dinkelbach at every width: the offers that beat its rate, until none does
-        value = np.where(fits, gain - rate[:, None, None] * spend, -np.inf)  # (W, B, M)
-        best = value.argmax(axis=2)  # (W, B)
+    while True:  # Dinkelbach in every case: the offers that beat its rate, until none does
+        value = np.where(fits, gain - rate[:, None, None] * spend, -np.inf)  # (C, B, M)
+        best = value.argmax(axis=2)  # (C, B)
         take = np.take_along_axis(value, best[..., None], axis=2)[..., 0] > 0
         tokens = b + np.where(take, gain[rows, best], 0.0).sum(axis=1)
-        paid = np.where(take, np.take_along_axis(spend, best[..., None], axis=2)[..., 0], 0.0)  # (W, B)
+        paid = np.where(take, np.take_along_axis(spend, best[..., None], axis=2)[..., 0], 0.0)  # (C, B)
         new = tokens / (forward + paid.sum(axis=1))
         better = new > rate * (1 + 1e-12)
         if not better.any():
@@ -95,17 +103,19 @@ def allocate(
     planned = (chosen >= 0).any(axis=1) & (rate > plain)
     if not planned.any():
         return 0, [None] * b
-    w = int(np.flatnonzero(planned)[np.argmax(rate[planned])])  # the first of the best: the narrowest
-    plan = [offers[i][k] if k >= 0 else None for i, k in enumerate(chosen[w].tolist())]
+    c = int(np.flatnonzero(planned)[np.argmax(rate[planned])])  # the first of the best: the narrowest, cheapest
+    plan = [offers[i][k] if k >= 0 else None for i, k in enumerate(chosen[c].tolist())]
     return max(o.nodes for o in plan if o is not None), plan
 
 
 def plan_ms(picks: Sequence[Offer | None], longest: int, cost: BatchCost) -> float:
-    """What the model says a plan's round costs: the forward at its width over its nodes, and the drafting."""
+    """What the model says a plan's round costs: the forward at its width over its nodes, and the drafting (the
+    largest shared part once)."""
     chosen = [o for o in picks if o is not None]
     width = max((o.nodes for o in chosen), default=0)
     nodes = sum(o.nodes for o in chosen)
-    return cost.forward_ms(len(picks), width, longest, nodes) + sum(o.draft_ms for o in chosen)
+    drafting = sum(o.draft_ms - o.shared_ms for o in chosen) + max((o.shared_ms for o in chosen), default=0.0)
+    return cost.forward_ms(len(picks), width, longest, nodes) + drafting
 
 
 def expected_rate(picks: Sequence[Offer | None], longest: int, cost: BatchCost, overhead_ms: float = 0.0) -> float:

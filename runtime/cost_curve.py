@@ -223,9 +223,17 @@ class LiveSizer:
     """
 
     def __init__(
-        self, curve: dict[int, float], rank_accuracy: list[list[float]], draft_ms_per_depth: float, every: int = 64
+        self,
+        curve: dict[int, float],
+        rank_accuracy: list[list[float]],
+        draft_ms_per_depth: float,
+        every: int = 64,
+        shared: float = 0.0,
     ) -> None:
+        """`shared`: the share of a sequence's drafting that sequences drafting together pay once (measured:
+        `together.measure_shared`; the load budget's offers carry it)."""
         self.curve, self.rank_accuracy, self.draft_ms, self.every = curve, rank_accuracy, draft_ms_per_depth, every
+        self.shared = shared
         first = choose_budget(curve, rank_accuracy, draft_ms_per_depth)
         self.factor = {False: 1.0, True: 1.0}  # sampled? -> factor on the accuracies
         self.choice = {False: first, True: first}

@@ -80,7 +80,7 @@ class Budgeted(Drafter):
             rho = (PRIOR + accepted) / (PRIOR + expected)
             cached, cached_rho, own = self._own  # the same until the curve or this request's record changes
             if cached is not curve or cached_rho != rho:  # the curve object itself, not its id (ids are reused)
-                own = [Offer(o.nodes, min(o.gain * rho, o.nodes), o.draft_ms, heads=o.nodes) for o in curve]
+                own = [o._replace(gain=min(o.gain * rho, o.nodes)) for o in curve]
                 self._own = (curve, rho, own)
         else:
             rounds, nodes, accepted, seconds = self.other_seen
@@ -97,7 +97,7 @@ class Budgeted(Drafter):
         rounds, accepted = self.graft_seen
         hit = (GRAFT_PRIOR + accepted) / (1 + rounds)
         grafted = [Offer(found, min(hit, found), 0.0, graft=True)]
-        grafted += [Offer(o.nodes + found, o.gain + hit, o.draft_ms, heads=o.heads, graft=True) for o in own]
+        grafted += [o._replace(nodes=o.nodes + found, gain=o.gain + hit, graft=True) for o in own]
         return own + grafted
 
     @torch.inference_mode()

@@ -104,7 +104,8 @@ class EagleDrafter(SamplingDrafter):
         """The trees of 1..`max_nodes` nodes this drafter can draft now, each the best of its size
         (`runtime/budget.py`): node k of the best static tree (`choose_tree_shape`) under the sizer's accuracies,
         as live traffic corrected them, survives with the product of its path's accuracies; drafting costs the
-        sizer's measured ms per depth. [] without a sizer (heads with no calibrated accuracies)."""
+        sizer's measured ms per depth (its measured shared part paid once by the sequences drafting together). []
+        without a sizer (heads with no calibrated accuracies)."""
         s = self.sizer
         if s is None:
             return []
@@ -117,7 +118,8 @@ class EagleDrafter(SamplingDrafter):
                 gain += math.prod(accuracy[d][rank] for d, rank in enumerate(path))
                 depth = max(depth, len(path))
                 if n in OFFERED or n == len(shape):
-                    offers.append(Offer(n, gain, s.draft_ms * depth, heads=n))
+                    ms = s.draft_ms * depth
+                    offers.append(Offer(n, gain, ms, heads=n, shared_ms=s.shared * ms))
             self._curve = (key, shape, offers)
         return self._curve[2]
 
