@@ -233,6 +233,30 @@ def test_budgeted_sequences_keep_their_greedy_tokens_and_the_width_paid_for():
     assert widths and all(n <= paid for n, paid in widths), widths
 
 
+def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafted():
+    """A request whose plan gives its heads 8 nodes is held against the curve's gain for 8 nodes (the curve offers
+    trees of 1-6, 8, 10, 12 ... nodes: its 8th offer is the 10-node tree's)."""
+    from headstart.runtime.cost_curve import LiveSizer
+    from headstart.runtime.drafters.eagle import EagleDrafter
+    from helpers.exactness import random_heads, sampling_model
+
+    model = sampling_model()
+    accuracy = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
+    eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
+    eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
+
+    def eight(drafters, contexts):
+        for d, c in zip(drafters, contexts, strict=True):
+            d.take(next(o for o in d.offers(c) if o.heads == 8 and not o.graft))
+
+    batch = Batch(Target(model), planner=eight)
+    request = batch.add(Request([1, 5, 2, 7], Budgeted(eagle.fork()), max_new_tokens=8))
+    batch.round()
+    assert request.stats.draft_tokens == 8
+    eight_nodes = next(o.gain for o in eagle.offers(32) if o.nodes == 8)
+    assert request.drafter.curve_seen[1] == pytest.approx(eight_nodes)
+
+
 def test_sampling_sized_by_the_budget_follows_the_target():
     """3,000 runs of one prompt at T > 0, each a Budgeted EAGLE+lookup drafter (random heads, sampled trees of
     the size the budget gives, a live sizer shared by every run and changing with what they accept) decoded beside

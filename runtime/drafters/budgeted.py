@@ -122,7 +122,7 @@ class Budgeted(Drafter):
                 self._branches = (len(context), graft.lookup.find_branches(context))
             tree = build_trie(self._branches[1], min(graft.budget, plan.nodes - own), onto=tree)
         tree = tree.prefix(plan.nodes)
-        expected = curve[plan.heads - 1].gain if curve and plan.heads else 0.0
+        expected = next((o.gain for o in curve if o.nodes == plan.heads), 0.0)  # the curve offers sizes 1-6, 8, 10 ...
         self._round = (own, expected, len(tree) > own, seconds)
         return tree
 
