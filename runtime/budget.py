@@ -141,9 +141,12 @@ class Planner:
 
     A round costs more than its forward and drafting: accepting, committing, and a server's streaming of each
     sequence's tokens. That share is measured as it runs: the time from one plan to the next less what the model
-    said the first plan's round would cost, per sequence, the median of the last OVERHEAD_ROUNDS (a joiner's
-    prefill or an idle wait between two plans is an outlier the median ignores); it is paid by every round, plain
-    or not, so it makes tokens per round worth more. `clock`: seconds, as `time.perf_counter` (tests)."""
+    said the first plan's round would cost and less what the loop says it spent aside (`aside_s`: the joiners'
+    prefill before the plan, work a request does once whatever the rounds), per sequence, the median of the last
+    OVERHEAD_ROUNDS (an idle wait between two plans is an outlier the median ignores); it is paid by every round,
+    plain or not, so it makes tokens per round worth more. Under churn (32 clients) most rounds prefill a joiner's
+    chunk: counted as overhead, that made speculation look cheap (83 % of sequence-rounds speculated, 0.84x plain,
+    float32). `clock`: seconds, as `time.perf_counter` (tests)."""
 
     OVERHEAD_ROUNDS = 64
 
@@ -156,11 +159,15 @@ class Planner:
         """A sequence's share of a round beyond the model (ms): the median of the rounds seen, 0 before any."""
         return max(statistics.median(self.overheads), 0.0) if self.overheads else 0.0
 
-    def __call__(self, drafters: Sequence[Sized], contexts: Sequence[list[int]]) -> list[Offer | None]:
+    def __call__(
+        self, drafters: Sequence[Sized], contexts: Sequence[list[int]], aside_s: float = 0.0
+    ) -> list[Offer | None]:
+        """Give each drafter its plan for the coming round; `aside_s`: seconds since the last plan the loop spent
+        on other work than the round (joiners' prefill)."""
         now, b = self.clock(), len(drafters)
         if self._last is not None:
             then, modelled, sequences = self._last
-            self.overheads.append((1e3 * (now - then) - modelled) / sequences)
+            self.overheads.append((1e3 * (now - then - aside_s) - modelled) / sequences)
         offers = [d.offers(c) for d, c in zip(drafters, contexts, strict=True)]
         longest = max(len(c) for c in contexts) - 1
         _, picks = allocate(offers, longest, self.cost, self.cost.error(b), self.overhead_ms() * b)

@@ -155,8 +155,8 @@ class Batch:
 
     `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
     bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
-    `planner`: sizes every decoding sequence's tree before each round, from their drafters and contexts
-    (`runtime/budget.Planner`; None: each drafter drafts what it drafts)."""
+    `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts and the
+    seconds the round's prefill took (`runtime/budget.Planner`; None: each drafter drafts what it drafts)."""
 
     def __init__(
         self,
@@ -164,7 +164,7 @@ class Batch:
         prefill_chunk: int | None = None,
         kv_budget: int | None = None,
         prefix: SharedPrefix | None = None,
-        planner: Callable[[list[Drafter], list[list[int]]], object] | None = None,
+        planner: Callable[[list[Drafter], list[list[int]], float], object] | None = None,
     ) -> None:
         self.target, self.kv_budget, self.prefix, self.planner = target, kv_budget, prefix, planner
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
@@ -196,13 +196,15 @@ class Batch:
     @torch.inference_mode()
     def round(self) -> list[tuple[Request, Chunk]]:
         """Admit and prefill joiners, then one round for every decoding sequence: its new tokens."""
+        t0 = time.perf_counter()
         self._prefill()
+        prefill_s = time.perf_counter() - t0
         live = list(self.decoding)
         if not live:
             return []
         target, phases = self.target, Phases()
-        if self.planner is not None:
-            self.planner([r.drafter for r in live], [r.context for r in live])
+        if self.planner is not None:  # the joiners' prefill is no part of what a round costs
+            self.planner([r.drafter for r in live], [r.context for r in live], prefill_s)
         trees = propose_all([r.drafter for r in live], [r.context for r in live])  # heads' forwards batched
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()

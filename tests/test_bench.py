@@ -175,3 +175,28 @@ def test_breakdown_table_steps_speedup_and_forward_only_ceiling():
     assert rows["plain"][-5:] == ["30.0", "1.00", "1.00", "1.00", "1.00"]
     # 45 / 30 = 1.5 plain steps; 3 / 1.5 = 2.00x; were drafting, accepting and committing free: 3 / (36 / 30) = 2.50x
     assert rows["eagle"][-5:] == ["45.0", "1.50", "3.00", "2.00", "2.50"]
+
+
+def test_breakdown_at_batch_sizes_times_rounds_of_sequences_decoding_together(tiny_model_dir, tmp_path, capsys):
+    """`--breakdown --batch-sizes 1,3`: a row per method (transformers' skipped) and batch size, the rounds timed
+    while all B decode; each round's phases add up to about the round (the loop's own work the rest), a batch of 3
+    makes more tokens a round than one sequence, and the table is written. Without --breakdown it is refused."""
+    from headstart.runtime.apps.bench_batches import batch_breakdown
+    from headstart.runtime.generate import PHASES
+
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": str(i), "category": "a", "turns": [f"the cat sat on the mat {i} the cat sat"]} for i in range(3)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    engine = Engine.load(str(tiny_model_dir))
+    got = batch_breakdown(engine, str(prompts), ["plain", "hf", "lookup"], [1, 3], max_new_tokens=16)
+    assert [(r["method"], r["sequences"]) for r in got] == [("plain", 1), ("lookup", 1), ("plain", 3), ("lookup", 3)]
+    for r in got:
+        assert r["rounds"] > 0 and r["layers"] > 0
+        assert sum(r[name] for name in PHASES) <= r["round_ms"] * 1.05
+    plain = {r["sequences"]: r for r in got if r["method"] == "plain"}
+    assert plain[1]["tokens_per_round"] == 1 and plain[3]["tokens_per_round"] == 3
+    args = ["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--methods", "plain,lookup"]
+    assert main([*args, "--batch-sizes", "1,2"]) == 2 and "--batch-sizes needs --breakdown" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main([*args, "--breakdown", "--batch-sizes", "1,2", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    assert "| lookup | 2 |" in next(out.glob("batches-*.md")).read_text()

@@ -153,7 +153,8 @@ def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_ow
 
 def test_the_planner_measures_what_a_round_costs_beyond_the_model_and_pays_it_every_round():
     """Rounds that take 3 ms a sequence more than the model says (a server streaming each sequence's tokens) are
-    seen as such, a joiner's prefill between two plans is ignored (the median), and with that share paid by every
+    seen as such, a joiner's prefill between two plans is ignored (the median; and when every round prefills, the
+    loop says how long it took), and with that share paid by every
     round a larger tree wins where, without it, a cheaper one did: tokens a round are worth more."""
     cost = BatchCost.linear(10.0, 0.0, 0.0)  # 10 ms a forward whatever its rows
     offers = [Offer(1, 0.5, 0.0, heads=1), Offer(4, 1.5, 8.0, heads=4)]  # 1 node, free; 4 nodes, 8 ms to draft
@@ -176,6 +177,12 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_and_pays_it_ev
         planner(drafters, [[1, 2, 3]] * 2)
         modelled = 10.0 + sum(d.plan.draft_ms for d in drafters if d.plan is not None)
         now[0] += (modelled + 2 * 3.0 + (500.0 if k == 4 else 0.0)) / 1e3
+    assert planner.overhead_ms() == pytest.approx(3.0)
+    for _ in range(80):  # every round now prefills a joiner's chunk first (40 ms): work aside, no overhead
+        now[0] += 0.040
+        planner(drafters, [[1, 2, 3]] * 2, aside_s=0.040)
+        modelled = 10.0 + sum(d.plan.draft_ms for d in drafters if d.plan is not None)
+        now[0] += (modelled + 2 * 3.0) / 1e3
     assert planner.overhead_ms() == pytest.approx(3.0)
     planner.overheads.extend([30.0] * 64)
     planner(drafters, [[1, 2, 3]] * 2)
@@ -245,7 +252,7 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
     eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
 
-    def eight(drafters, contexts):
+    def eight(drafters, contexts, aside_s):
         for d, c in zip(drafters, contexts, strict=True):
             d.take(next(o for o in d.offers(c) if o.heads == 8 and not o.graft))
 

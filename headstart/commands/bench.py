@@ -49,6 +49,13 @@ def add_parsers(sub) -> None:
         help="also time each phase of a round (draft, mask, layers, lm_head, accept, commit ...): a table",
     )
     b.add_argument(
+        "--batch-sizes",
+        default=None,
+        metavar="B,B,...",
+        help="--breakdown: instead of one prompt at a time, time each round with B sequences decoding together "
+        "(each drafting its own tree) for every B listed, at the first --temperature: a table",
+    )
+    b.add_argument(
         "--breakdown-doc",
         default=None,
         metavar="FILE",
@@ -125,6 +132,16 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
         raise common.UserError("--limit-per-category must be >= 1")
     if args.breakdown_doc and not args.breakdown:
         raise common.UserError("--breakdown-doc needs --breakdown")
+    batch_sizes = None
+    if args.batch_sizes is not None:
+        if not args.breakdown:
+            raise common.UserError("--batch-sizes needs --breakdown")
+        try:
+            batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        except ValueError as e:
+            raise common.UserError(f"--batch-sizes takes a comma list of whole numbers: {e}") from e
+        if min(batch_sizes) < 1:
+            raise common.UserError("--batch-sizes: every size must be >= 1")
     prompts = common.bench_prompts(args.prompts)
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -150,6 +167,10 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
             not args.no_merge,
             not args.no_prepack,
         )
+        if batch_sizes is not None:
+            return _bench_batches(
+                args, argv, engine, prompts, methods, batch_sizes, temperatures[0], categories, options
+            )
         records = bench.run_bench(
             engine,
             prompts,
@@ -186,6 +207,26 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
             bench_report.replace_section(Path(args.breakdown_doc), f"breakdown {dtype}", text)
     if args.report_to == "wandb":
         print(bench_report.report_wandb(table, meta, Path(args.out), run_name=json_path.stem), file=sys.stderr)
+    return 0
+
+
+def _bench_batches(args, argv, engine, prompts, methods, batch_sizes, temperature, categories, options) -> int:
+    """`--breakdown --batch-sizes`: the round's phases with B sequences together (runtime/apps/bench_batches.py)."""
+    from headstart.runtime.apps.bench_batches import batch_breakdown, batches_markdown
+    from headstart.runtime.cost_curve import cpu_name
+
+    rows = batch_breakdown(
+        engine, prompts, methods, batch_sizes, temperature, args.max_new_tokens, categories, args.seed, **options
+    )
+    dtype = str(engine.target.dtype).removeprefix("torch.")
+    text = (
+        f"`headstart {' '.join(argv)}`\n\n{cpu_name()}, {dtype}, T = {temperature}; ms a round while every sequence "
+        f"decodes (prefill left out)\n\n" + batches_markdown(rows)
+    )
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"batches-{dtype}.md").write_text(text)
     return 0
 
 
