@@ -482,7 +482,10 @@ def test_each_answer_carries_its_acceptance_as_vllm_writes_it(tiny_model_dir):
     """--per-request-spec-decode-metrics summary: every answer's `metrics.speculative_decoding` holds vLLM's
     summary (a step is a round with a tree, its draft tokens the tree's nodes), whole and streamed (on the last
     chunk); /metrics adds the same counts under vLLM's counter names. Off (the default), answers carry none."""
-    live = LiveServer(tiny_engine(tiny_model_dir, "lookup"), per_request_spec_decode_metrics="summary")
+    # every round drafts (no load budget, whose plans follow measured times): the same rounds again, streamed
+    live = LiveServer(
+        tiny_engine(tiny_model_dir, "lookup"), per_request_spec_decode_metrics="summary", speculate_up_to=8
+    )
     body = {"model": NAME, "prompt": PROMPTS[0] + " " + PROMPTS[0], "max_tokens": 24, "temperature": 0}
     try:
         answer = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
