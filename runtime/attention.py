@@ -15,6 +15,7 @@ branch; the masks keep the attention exact instead.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +107,7 @@ class Packing:
     @classmethod
     def of(cls, sizes: list[int], device) -> Packing:
         """Sequence i feeds `sizes[i]` rows (>= 1), in order."""
-        q, starts = max(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
+        q, starts = max(sizes), list(itertools.accumulate(sizes[:-1], initial=0))
         gather = [start + min(k, n - 1) for start, n in zip(starts, sizes, strict=True) for k in range(q)]
         scatter = [i * q + k for i, n in enumerate(sizes) for k in range(n)]
         return cls(torch.tensor(gather, device=device), torch.tensor(scatter, device=device), len(sizes), q)

@@ -82,8 +82,9 @@ def allocate(
             table[:, i, : len(own)] = np.array([[o.nodes, o.gain, o.draft_ms, o.shared_ms] for o in own]).T
     nodes, gain, ms, shared = table
     fits = (nodes > 0) & (nodes[None] <= width[:, None, None]) & (shared[None] <= level[:, None, None])  # (C, B, M)
-    forward = np.array([cost.base_ms(b, int(w), longest) for w in width]) + level + overhead_ms  # (C,)
-    per_node = np.array([cost.node_ms(b, int(w)) for w in width])[:, None, None]  # (C, 1, 1)
+    base = np.repeat([cost.base_ms(b, w, longest) for w in widths], len(levels))  # (C,) the forward, by width
+    forward = base + level + overhead_ms  # (C,)
+    per_node = np.repeat([cost.node_ms(b, w) for w in widths], len(levels))[:, None, None]  # (C, 1, 1)
     spend = ms - shared + per_node * np.where(np.isfinite(nodes), nodes, 0)  # (C, B, M): an offer's own ms
     rate = np.maximum(plain, b / forward)  # a case that cannot beat plain keeps no plan
     chosen = np.full((len(width), b), -1)  # (C, B): each sequence's offer at each case's best rate, -1: plain

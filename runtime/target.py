@@ -187,13 +187,16 @@ class Target:
     def verify_batch(self, roots: list[int], trees: list[DraftTree], layers: tuple[int, ...] = (-1,)) -> list[Verified]:
         """`verify` for the sequences in slots 0, 1, ..., len(roots) - 1 in one forward: each feeds its root and
         tree; every row sees only its own sequence's committed keys and tree ancestors (and its window). With the
-        fast path's attention the rows are packed end to end (`attention.Packing`: the linear layers see only real
-        rows, attention reads them padded); without it they are padded to the widest tree (padding rows repeat the
-        root and are never committed). One sequence: `verify`."""
+        fast path's attention, trees of different sizes are packed end to end (`attention.Packing`: the linear
+        layers see only real rows, attention reads them padded); otherwise rows are padded to the widest tree
+        (padding rows repeat the root and are never committed). One sequence: `verify`."""
         if len(roots) == 1:
             return [self.verify(roots[0], trees[0], layers)]
         r, q = len(roots), max(len(t) for t in trees) + 1
-        sizes = [len(t) + 1 if self.grouped else q for t in trees]  # rows each sequence feeds
+        # rows each sequence feeds: its own where trees differ in size and the attention unpacks; else all q (plain
+        # batched steps, equal trees: packed and padded rows are then the same rows, without the index work)
+        packed = self.grouped and any(len(t) + 1 < q for t in trees)
+        sizes = [len(t) + 1 if packed else q for t in trees]
         pasts = self.lengths[:r]
         t0 = time.perf_counter()
         kv_len = max(pasts) + q
@@ -212,7 +215,7 @@ class Target:
             key_pos[i, past : past + q] = past + depths
             ids[i] = torch.tensor([root, *tree.tokens] + [root] * (q - n - 1))
         mask = self.layout.batch_masks(allowed, positions, key_pos, self.dtype, self.device)
-        packing = Packing.of(sizes, self.device) if self.grouped else None
+        packing = Packing.of(sizes, self.device) if packed else None
         if packing is not None:  # (r, q) -> (1, N): each sequence's own rows, end to end
             real = torch.arange(q)[None] < torch.tensor(sizes)[:, None]  # (r, q)
             ids, positions = ids[real][None], positions[real][None]

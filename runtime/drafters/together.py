@@ -15,6 +15,7 @@ rounding of a forward (another row count), never which rows a sequence reads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from headstart.heads.masks import additive_mask
-from headstart.runtime.attention import Packing, attend_with_grouped_sdpa
+from headstart.runtime.attention import Packing
 from headstart.runtime.tree import DraftTree
 
 
@@ -63,8 +64,7 @@ def run_together(steps: list[HeadStep]) -> list[tuple[torch.Tensor, torch.Tensor
     if len(steps) == 1:
         return [run_alone(steps[0])]
     first = steps[0]
-    device, dtype = first.features.device, first.features.dtype
-    attend_with_grouped_sdpa(first.head)
+    device, dtype = first.features.device, first.features.dtype  # the head attends with grouped_sdpa (EagleDrafter)
     sizes = [len(s.tokens) for s in steps]
     q, kv = max(sizes), max(s.allowed.shape[1] for s in steps)
     allowed = torch.zeros(len(steps), q, kv, dtype=torch.bool)  # (r, q, kv) over each sequence's own cache
@@ -151,8 +151,6 @@ def measure_shared(drafter, prompt: list[int], features: torch.Tensor, k: int = 
     the weights once): f = (k t1 - tk) / ((k - 1) t1) from t1, one fork's `propose_all`, and tk, k forks', each the
     fastest of `reps` after a warm-up, every fork started on `prompt` and its `features` (len - 1, F) (the trees
     drafted from the prompt's root, again and again). 0 for a drafter that drafts no head forward; within [0, 1]."""
-    import time
-
     forks = [drafter.fork() for _ in range(k)]
     for fork in forks:
         fork.start(prompt, features)
