@@ -196,14 +196,23 @@ def scale_accuracy(rank_accuracy: list[list[float]], factor: float) -> list[list
 
 
 def fit_factor(
-    rank_accuracy: list[list[float]], shape: Shape, observed: float, low: float = 1 / 16, high: float = 8.0
+    rank_accuracy: list[list[float]],
+    shape: Shape | dict[Shape, int],
+    observed: float,
+    low: float = 1 / 16,
+    high: float = 8.0,
 ) -> float:
     """The factor c in [low, high] for which `shape`'s expected acceptance length under
     `scale_accuracy(rank_accuracy, c)` is `observed` (tokens per round, the target's own token included), by
-    bisection: it grows with c, so a length out of reach gives the nearer bound."""
+    bisection: it grows with c, so a length out of reach gives the nearer bound. `shape` may be the rounds' shapes
+    with how many rounds drafted each: their mean expected length is fitted."""
+    shapes = shape if isinstance(shape, dict) else {shape: 1}
+    rounds = sum(shapes.values())
     for _ in range(40):
         mid = (low + high) / 2
-        if expected_acceptance_length(scale_accuracy(rank_accuracy, mid), list(shape)) < observed:
+        accuracy = scale_accuracy(rank_accuracy, mid)
+        expected = sum(n * expected_acceptance_length(accuracy, list(s)) for s, n in shapes.items()) / rounds
+        if expected < observed:
             low = mid
         else:
             high = mid
@@ -234,23 +243,29 @@ class LiveSizer:
         `together.measure_shared`; the load budget's offers carry it)."""
         self.curve, self.rank_accuracy, self.draft_ms, self.every = curve, rank_accuracy, draft_ms_per_depth, every
         self.shared = shared
+        self.curves: dict[tuple, object] = {}  # the drafters' offers and gains by factor (`EagleDrafter.offers`)
         first = choose_budget(curve, rank_accuracy, draft_ms_per_depth)
         self.factor = {False: 1.0, True: 1.0}  # sampled? -> factor on the accuracies
         self.choice = {False: first, True: first}
-        self._seen = {False: [0, 0], True: [0, 0]}  # sampled? -> [rounds, draft tokens accepted]
+        self._seen: dict[bool, list] = {False: [{}, 0], True: [{}, 0]}  # sampled? -> [rounds by shape, tokens accepted]
 
-    def record(self, sampled: bool, accepted: int) -> TreeChoice | None:
-        """One round of a `sampled` (T > 0) or greedy tree whose heads' nodes gave `accepted` tokens; the new
-        choice of that kind when this round ends a window and the tree changes, else None."""
+    def record(self, sampled: bool, accepted: int, shape: Shape | None = None) -> TreeChoice | None:
+        """One round of a `sampled` (T > 0) or greedy tree whose heads' nodes gave `accepted` tokens; `shape`: the
+        static shape of the tree drafted when it was not this sizer's choice (the load budget sizes trees round by
+        round: fitted against the choice, a window of 1-node trees read as a 6-node tree accepting little, and the
+        factor, the offers and so the trees fell round after round). The new choice of that kind when this round
+        ends a window and the tree changes, else None."""
         seen = self._seen[sampled]
-        seen[0] += 1
+        drafted = self.choice[sampled].shape if shape is None else tuple(shape)
+        seen[0][drafted] = seen[0].get(drafted, 0) + 1
         seen[1] += accepted
-        if seen[0] < self.every:
+        rounds = sum(seen[0].values())
+        if rounds < self.every:
             return None
-        rounds, tokens = seen
-        seen[:] = [0, 0]
+        shapes, tokens = seen
+        self._seen[sampled] = [{}, 0]
         old = self.choice[sampled]
-        fitted = fit_factor(self.rank_accuracy, old.shape, 1 + tokens / rounds)
+        fitted = fit_factor(self.rank_accuracy, shapes, 1 + tokens / rounds)
         self.factor[sampled] = (self.factor[sampled] * fitted) ** 0.5
         new = choose_budget(self.curve, scale_accuracy(self.rank_accuracy, self.factor[sampled]), self.draft_ms)
         self.choice[sampled] = new

@@ -240,10 +240,38 @@ def test_budgeted_sequences_keep_their_greedy_tokens_and_the_width_paid_for():
     assert widths and all(n <= paid for n, paid in widths), widths
 
 
+def test_what_grafts_are_worth_is_learnt_from_every_request():
+    """Lookup branches grafted for one request tell the next what a graft is worth on this traffic: the forks of one
+    Budgeted share the record (each request starting from GRAFT_PRIOR alone, at two requests the budget never
+    tried grafts worth 3 nodes a round on held-out chat, and never learnt it)."""
+    from headstart.runtime.drafters.base import Drafter
+    from headstart.runtime.drafters.budgeted import GRAFT_PRIOR
+
+    torch.manual_seed(0)
+    base = Budgeted(LookupGraft(Drafter()))
+    first = base.fork()
+    batch = Batch(Target(tiny_llama(), slots=1), planner=Planner(BatchCost.linear(30.0, 0.4, 0.0)))
+    batch.add(Request([3, 5, 7, 3, 5, 7, 3, 5], first, max_new_tokens=24))
+    while len(batch):
+        batch.round()
+    rounds, accepted = base.traffic
+    assert rounds == first.graft_seen[0] > 0 and accepted == first.graft_seen[1]
+    second = base.fork()
+    assert second.graft_seen == [0, 0] and second.traffic is base.traffic
+    graft = next(o for o in second.offers([3, 5, 7, 3, 5, 7, 3]) if o.graft and not o.heads)
+    assert graft.gain == pytest.approx(min((GRAFT_PRIOR + accepted) / (1 + rounds), graft.nodes))
+    base.traffic[:] = [10, 40]  # ten grafted rounds accepted 4 nodes each: a new request's graft is worth ~4
+    graft = next(o for o in base.fork().offers([3, 5, 7, 3, 5, 7, 3]) if o.graft and not o.heads)
+    assert graft.gain == pytest.approx(min((GRAFT_PRIOR + 40) / 11, graft.nodes))
+
+
 def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafted():
-    """A request whose plan gives its heads 8 nodes is held against the curve's gain for 8 nodes (the curve offers
-    trees of 1-6, 8, 10, 12 ... nodes: its 8th offer is the 10-node tree's)."""
+    """A request whose plan gives its heads 8 nodes is held against the curve's gain for 8 nodes at every factor of
+    the grid (the curve offers trees of 1-6, 8, 10, 12 ... nodes: its 8th offer is the 10-node tree's). Its factor
+    then scales each depth's accuracy: a request that accepted every node is offered deeper trees worth more than
+    the traffic's, one that accepted none smaller ones, and neither a gain above its tree's nodes."""
     from headstart.runtime.cost_curve import LiveSizer
+    from headstart.runtime.drafters.budgeted import GRID
     from headstart.runtime.drafters.eagle import EagleDrafter
     from helpers.exactness import random_heads, sampling_model
 
@@ -260,8 +288,17 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     request = batch.add(Request([1, 5, 2, 7], Budgeted(eagle.fork()), max_new_tokens=8))
     batch.round()
     assert request.stats.draft_tokens == 8
-    eight_nodes = next(o.gain for o in eagle.offers(32) if o.nodes == 8)
-    assert request.drafter.curve_seen[1] == pytest.approx(eight_nodes)
+    for f, seen in zip(GRID, request.drafter.curve_seen[1], strict=True):
+        assert seen == pytest.approx(next(o.gain for o in eagle.offers(32, f) if o.nodes == 8))
+    traffic = {o.nodes: o.gain for o in eagle.offers(32)}
+    good, bad = Budgeted(eagle.fork()), Budgeted(eagle.fork())
+    for d, accepted in ((good, 3.0), (bad, 0.0)):  # ten rounds of 8-node trees accepting 3 (all it can) or none
+        d.curve_seen = [10 * accepted, 10 * d.heads.gains(32, GRID)[:, 8]]
+        d._refit()
+    assert good.factor > 1 > bad.factor
+    for o in good.offers([1, 2]):
+        assert traffic[o.nodes] < o.gain <= o.nodes
+    assert all(o.gain < traffic[o.nodes] for o in bad.offers([1, 2]))
 
 
 def test_sampling_sized_by_the_budget_follows_the_target():

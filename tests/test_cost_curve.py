@@ -136,6 +136,22 @@ def test_live_acceptance_resizes_greedy_and_sampled_trees_apart():
     assert sizer.choice[False].budget > start.budget and sizer.factor[False] > 1
 
 
+def test_live_sizer_fits_the_trees_drafted_not_its_choice():
+    """The load budget drafts trees of its own sizes: a window of 1-node trees accepting what a 1-node tree should
+    (the likeliest first guess, 0.62 of rounds) leaves the accuracies as they are; fitted against the sizer's own
+    larger choice it read as the heads failing and the factor fell."""
+    sizer = LiveSizer(STEEP, ACCURACY, draft_ms_per_depth=0.5, every=50)
+    assert sizer.choice[False].budget > 1
+    one = tuple(choose_tree_shape(ACCURACY, 1))
+    for k in range(50):
+        sizer.record(False, int(k % 50 < 31), one)  # 31 of 50 rounds accept the node
+    assert sizer.factor[False] == pytest.approx(1.0, abs=0.01)
+    # a mixture: half the rounds 1 node, half 6 nodes, each accepting its expectation at factor 0.5
+    six, half = tuple(choose_tree_shape(ACCURACY, 6)), scale_accuracy(ACCURACY, 0.5)
+    mean = (expected_acceptance_length(half, list(one)) + expected_acceptance_length(half, list(six))) / 2
+    assert fit_factor(ACCURACY, {one: 5, six: 5}, mean) == pytest.approx(0.5, abs=1e-4)
+
+
 def test_engine_drafters_resize_from_what_they_accept(engine, tiny_drafters):
     options = tiny_drafters[2]
     heads = options["eagle"]["heads"]

