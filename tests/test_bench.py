@@ -200,3 +200,34 @@ def test_breakdown_at_batch_sizes_times_rounds_of_sequences_decoding_together(ti
     out = tmp_path / "out"
     assert main([*args, "--breakdown", "--batch-sizes", "1,2", "--max-new-tokens", "8", "--out", str(out)]) == 0
     assert "| lookup | 2 |" in next(out.glob("batches-*.md")).read_text()
+
+
+def test_a_workload_is_replayed_in_order_each_method_with_its_own_pool(tiny_model_dir, tmp_path, capsys):
+    """`--workload extraction`: the generated prompts (seeded, none repeated, the first 20 % a category apart) are
+    written beside the records and replayed in order; each suffix method's pool starts empty after the warm-up and
+    holds every prompt decoded (the warm-up's request cleared out). With --prompts too it is refused."""
+    from headstart.runtime import workloads
+
+    for name in workloads.WORKLOADS:
+        made = workloads.workload(name, 10, seed=3)
+        assert made == workloads.workload(name, 10, seed=3) and len({p.text for p in made}) == 10
+        assert [p.category.endswith("(first 20%)") for p in made] == [True] * 2 + [False] * 8
+    pools = []
+    real = bench.run_method
+
+    def spy(engine, method, drafters, *rest):
+        run = real(engine, method, drafters, *rest)
+        if method == "suffix":
+            pools.append(drafters[method].pool.requests)
+        return run
+
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_model_dir), "--methods", "lookup,suffix", "--max-new-tokens", "6"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "run_method", spy)
+        assert main([*args, "--workload", "extraction", "--workload-size", "5", "--out", str(out)]) == 0
+    assert pools == [1, 1, 2, 3, 4, 5]  # the warm-up's request, then cleared: one more each prompt
+    rows = [json.loads(line) for line in (out / "workload-extraction.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"extraction-{i:03d}" for i in range(5)]
+    assert main([*args, "--workload", "agent", "--prompts", str(out / "workload-extraction.jsonl")]) == 2
+    assert "not both" in capsys.readouterr().err

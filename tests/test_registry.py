@@ -9,7 +9,7 @@ from headstart.runtime.drafters.registry import DrafterSpec, make_drafter, names
 
 
 def test_specs_parse_once_for_everyone():
-    assert parse_spec("eagle+lookup:12") == DrafterSpec("eagle", graft=True, value=12)
+    assert parse_spec("eagle+lookup:12") == DrafterSpec("eagle", graft="lookup", value=12)
     assert parse_spec("layerskip:8") == DrafterSpec("layerskip", value="8")
     assert parse_spec("model:runs/d") == DrafterSpec("model", value="runs/d")
     assert parse_spec("none").name == "none" and parse_spec("medusa+lookup").name == "medusa+lookup"

@@ -18,6 +18,14 @@ def add_parsers(sub) -> None:
     common.add_adapter_args(b)
     b.add_argument("--prompts", default=None, help=f"JSONL prompt file (default: Spec-Bench at {common.SPEC_BENCH})")
     b.add_argument(
+        "--workload",
+        default=None,
+        choices=("extraction", "agent"),
+        help="instead of --prompts: a generated workload that repeats across requests, replayed in order, each "
+        "method with its own suffix pool starting empty (runtime/workloads.py; written to --out)",
+    )
+    b.add_argument("--workload-size", type=common.at_least_one, default=40, help="--workload: its prompts")
+    b.add_argument(
         "--methods",
         default="plain,hf,lookup",
         help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
@@ -142,7 +150,16 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
             raise common.UserError(f"--batch-sizes takes a comma list of whole numbers: {e}") from e
         if min(batch_sizes) < 1:
             raise common.UserError("--batch-sizes: every size must be >= 1")
-    prompts = common.bench_prompts(args.prompts)
+    if args.workload is not None:
+        if args.prompts is not None:
+            raise common.UserError("give --prompts or --workload, not both")
+        from headstart.runtime import workloads
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        generated = workloads.workload(args.workload, args.workload_size, args.seed)
+        prompts = str(workloads.write(generated, Path(args.out) / f"workload-{args.workload}.jsonl"))
+    else:
+        prompts = common.bench_prompts(args.prompts)
     categories = set(args.categories.split(",")) if args.categories else None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     options = common.flag_values(args, [k for k in common.FLAGS if k not in ("heads", "budget")])

@@ -217,6 +217,10 @@ def run_bench(
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection
         run_method(engines.get(method, engine), method, drafters, encoded[0], SamplingParams(), 16, seed)
+    for drafter in drafters.values():  # what the warm-up wrote leaves the suffix pools: each starts empty
+        pool = getattr(getattr(drafter, "lookup", drafter), "pool", None)
+        if pool is not None:
+            pool.clear()
     records: list[Record] = []
     jobs = [(t, i) for t in temperatures for i in range(len(prompts))]
     with ExitStack() as timing:

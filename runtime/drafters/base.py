@@ -54,6 +54,10 @@ class Drafter:
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         """The target accepted `path` of `tree` (its features `hidden`, (n+1, F), or None) and chose `next_token`."""
 
+    def finish(self, context: list[int]) -> None:
+        """The sequence left the batch (done, cancelled): `context` is its prompt and every token it was given.
+        Drafters that learn from past requests keep it (`suffix.SuffixDrafter`)."""
+
     def fork(self) -> Drafter:
         """A drafter for another sequence, decoded beside this one: the same model, heads and options (shared, not
         copied: a fork costs no load and no packing), a state of its own, empty until `start`."""

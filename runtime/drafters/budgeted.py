@@ -142,6 +142,9 @@ class Budgeted(Drafter):
         self._round = (own, plan.heads, len(tree) > own, seconds)
         return tree
 
+    def finish(self, context: list[int]) -> None:
+        self.inner.finish(context)
+
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         if self._round is not None and len(tree):
             own, sized, grafted, seconds = self._round

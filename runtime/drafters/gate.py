@@ -63,6 +63,9 @@ class GatedDrafter(Drafter):
             return DraftTree()
         return (yield from self.inner.drafting(context))
 
+    def finish(self, context: list[int]) -> None:
+        self.inner.finish(context)
+
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         if tree and self.gate is not None:
             self.gate.record(len(path) + 1)

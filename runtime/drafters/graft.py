@@ -29,7 +29,7 @@ class LookupGraft(Drafter):
         """`budget`: the most nodes the lookup branches add to `inner`'s tree (None: `GraftOptions`' default)."""
         self.budget = GraftOptions(*([] if budget is None else [budget])).graft_budget  # validated there
         self.inner, self.lookup = inner, lookup or LookupDrafter()
-        self.name = f"{inner.name}+lookup"
+        self.name = f"{inner.name}+{self.lookup.name}"  # +lookup, +suffix
         self.feature_layers = inner.feature_layers
 
     def clear(self) -> None:
@@ -47,3 +47,7 @@ class LookupGraft(Drafter):
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         self.inner.observe(tree, path, hidden, next_token)  # the inner drafter reads tokens and features only
+
+    def finish(self, context: list[int]) -> None:
+        self.inner.finish(context)
+        self.lookup.finish(context)

@@ -36,6 +36,24 @@ class LookupOptions:
 
 
 @dataclass(frozen=True)
+class SuffixOptions(LookupOptions):
+    """Prompt lookup, then the continuations of finished requests (`runtime/drafters/suffix.py`)."""
+
+    max_match: int = 32  # a match is extended backwards up to this many tokens (longer ones rank first)
+    min_match: int = 5  # the pool's branches are drafted when its longest match has at least this many tokens
+    max_matches: int = 16  # the longest matches counted (the most recent among equals)
+    scan: int = 64  # the most recent occurrences of the last 3 tokens looked at
+    pool_tokens: int = 262_144  # the pool's size (the oldest requests leave first; docs/serving.md: measured)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least_one(max_match=self.max_match, max_matches=self.max_matches, scan=self.scan)
+        if self.min_match > self.max_match:
+            raise ValueError(f"need min_match <= max_match, got {self.min_match}, {self.max_match}")
+        _at_least_one(pool_tokens=self.pool_tokens)
+
+
+@dataclass(frozen=True)
 class GraftOptions:
     """`NAME+lookup`: prompt-lookup branches grafted onto NAME's tree."""
 

@@ -1,15 +1,17 @@
 """The drafter registry: every drafter by name, its options dataclass, and the one parser of method specs.
 
-A spec is a registered name, optionally `+lookup`, optionally `:VALUE` for the drafter's one
+A spec is a registered name, optionally `+lookup` or `+suffix`, optionally `:VALUE` for the drafter's one
 positional option:
 
-    none  lookup  medusa  medusa2  eagle  eagle3  model:PATH  layerskip:N  medusa:16  eagle+lookup  eagle+lookup:12
+    none  lookup  suffix  medusa  medusa2  eagle  eagle3  model:PATH  layerskip:N  medusa:16  eagle+lookup
+    eagle+suffix:12
 
 `NAME+lookup` grafts prompt-lookup branches onto NAME's tree (`graft.LookupGraft`); its options are
-NAME's, the lookup's n-gram options and `graft_budget`. Option values come, in order of precedence,
-from the caller, the spec's positional value, the profile (`headstart.runtime.profiles`) and the
-options dataclass (`options`). An option the drafter does not take is an error that names it.
-Builders import their modules when called: reading this table loads no model code.
+NAME's, the lookup's n-gram options and `graft_budget`. `NAME+suffix` grafts the suffix drafter's branches
+(prompt lookup, then the continuations of the server's finished requests: `suffix.py`), with its options.
+Option values come, in order of precedence, from the caller, the spec's positional value, the profile
+(`headstart.runtime.profiles`) and the options dataclass (`options`). An option the drafter does not take is an
+error that names it. Builders import their modules when called: reading this table loads no model code.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from headstart.runtime.drafters.options import (
     MedusaOptions,
     ModelOptions,
     NoOptions,
+    SuffixOptions,
 )
 
 if TYPE_CHECKING:
     from headstart.runtime.drafters.base import Drafter
 
-GRAFT_SUFFIX = "+lookup"
+GRAFTS = {"lookup": LookupOptions, "suffix": SuffixOptions}  # NAME+KEY: KEY's branches grafted onto NAME's tree
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,12 @@ def _lookup(options: LookupOptions, ctx: Context) -> Drafter:
     from headstart.runtime.drafters.lookup import LookupDrafter
 
     return LookupDrafter(options)
+
+
+def _suffix(options: SuffixOptions, ctx: Context) -> Drafter:
+    from headstart.runtime.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(options)
 
 
 def heads_dir(kind: str, heads: str | None, model_name: str | None):
@@ -171,6 +180,9 @@ def _layerskip(options: LayerskipOptions, ctx: Context) -> Drafter:
 REGISTRY: dict[str, Entry] = {
     "none": Entry(NoOptions, _none, "plain decoding: one target forward per token", graftable=False),
     "lookup": Entry(LookupOptions, _lookup, "prompt lookup: copy what followed the last n-gram", graftable=False),
+    "suffix": Entry(
+        SuffixOptions, _suffix, "prompt lookup, then what followed in the server's finished requests", graftable=False
+    ),
     "medusa": Entry(MedusaOptions, _medusa, "trained Medusa heads, a static tree", positional="budget"),
     "medusa2": Entry(
         MedusaOptions,
@@ -213,24 +225,26 @@ def entry(name: str) -> Entry | None:
 
 def names() -> list[str]:
     """Every drafter name a spec may start with, grafted ones included."""
-    return [*REGISTRY, *(n + GRAFT_SUFFIX for n, e in REGISTRY.items() if e.graftable)]
+    return [*REGISTRY, *(f"{n}+{g}" for g in GRAFTS for n, e in REGISTRY.items() if e.graftable)]
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
     base: str  # a drafter name (`entry`)
-    graft: bool = False  # base+lookup
+    graft: str = ""  # base+graft: a key of GRAFTS, "" none
     value: Any = None  # the positional option's value, as its field's type
 
     @property
     def name(self) -> str:
-        return self.base + (GRAFT_SUFFIX if self.graft else "")
+        return self.base + (f"+{self.graft}" if self.graft else "")
 
 
 def parse_spec(text: str) -> DrafterSpec:
-    """`eagle+lookup:12` -> DrafterSpec('eagle', graft=True, value='12'); unknown names are an error."""
+    """`eagle+lookup:12` -> DrafterSpec('eagle', graft='lookup', value='12'); unknown names are an error."""
     name, colon, value = text.strip().partition(":")
-    base = name.removesuffix(GRAFT_SUFFIX)
+    base, plus, graft = name.partition("+")
+    if plus and graft not in GRAFTS:
+        raise ValueError(f"unknown drafter '{text}': choose from {', '.join(names())}")
     found = entry(base)
     if found is None or (name != base and not found.graftable):
         raise ValueError(f"unknown drafter '{text}': choose from {', '.join(names())}")
@@ -239,8 +253,8 @@ def parse_spec(text: str) -> DrafterSpec:
     if colon and not value:
         raise ValueError(f"'{text}': give a value after ':' ({found.positional})")
     if not colon:
-        return DrafterSpec(base, name != base)
-    return DrafterSpec(base, name != base, _coerce(value, _fields(found.options)[found.positional], text))
+        return DrafterSpec(base, graft)
+    return DrafterSpec(base, graft, _coerce(value, _fields(found.options)[found.positional], text))
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -252,7 +266,9 @@ def option_names(spec: str | DrafterSpec) -> list[str]:
     spec = parse_spec(spec) if isinstance(spec, str) else spec
     keys = list(_fields(entry(spec.base).options))
     if spec.graft:
-        keys += [k for k in _fields(LookupOptions) if k != "budget" and k not in keys] + list(_fields(GraftOptions))
+        keys += [k for k in _fields(GRAFTS[spec.graft]) if k != "budget" and k not in keys] + list(
+            _fields(GraftOptions)
+        )
     return keys
 
 
@@ -289,7 +305,7 @@ def resolve(spec: str | DrafterSpec, profile: str | None = None, **options: Any)
     values = {**profiles.options(profile, spec.base), **given}
     groups = {"inner": found.options}
     if spec.graft:
-        groups.update(lookup=LookupOptions, graft=GraftOptions)
+        groups.update(lookup=GRAFTS[spec.graft], graft=GraftOptions)
     resolved = {}
     for group, cls in groups.items():
         keys = [k for k in _fields(cls) if not (group == "lookup" and k == "budget")]  # a graft's budget is its own
@@ -319,6 +335,6 @@ def make_drafter(
     if not spec.graft:
         return drafter
     from headstart.runtime.drafters.graft import LookupGraft
-    from headstart.runtime.drafters.lookup import LookupDrafter
 
-    return LookupGraft(drafter, LookupDrafter(resolved["lookup"]), resolved["graft"].graft_budget)
+    branches = (_lookup if spec.graft == "lookup" else _suffix)(resolved["lookup"], ctx)
+    return LookupGraft(drafter, branches, resolved["graft"].graft_budget)

@@ -44,4 +44,4 @@ def drafter_setup(root: Path):
 
 def build(name: str, setup: tuple):
     model, tokenizer, options = setup
-    return make_drafter(name, model, tokenizer, **options.get(name.removesuffix("+lookup"), {}))
+    return make_drafter(name, model, tokenizer, **options.get(name.partition("+")[0], {}))

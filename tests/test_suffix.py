@@ -1,0 +1,142 @@
+"""The suffix pool (runtime/drafters/suffix.py): what a lookup returns, its bounds, threads, and who shares it.
+Exactness is the drafter contract's (tests/test_drafter_contract.py runs `suffix` and every `X+suffix`, the pool
+filled by the runs before, as in service)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from headstart.runtime.drafters.options import SuffixOptions
+from headstart.runtime.drafters.registry import make_drafter
+from headstart.runtime.drafters.suffix import SuffixDrafter, SuffixPool, _top_nodes
+from headstart.runtime.generate import Batch, Request
+from headstart.runtime.target import Target
+from helpers.models import tiny_llama
+
+OPTIONS = SuffixOptions()
+
+
+def test_a_lookup_counts_what_followed_the_longest_matches():
+    """Three finished requests hold `7 8 9` and what followed it: `1 2` twice, `3` once. The trie of continuations
+    counts each node by the matches through it; longer matches rank first (here the one that also matched `6`)."""
+    pool = SuffixPool(1000)
+    pool.add([5, 7, 8, 9, 1, 2])
+    pool.add([4, 7, 8, 9, 1, 2, 0])
+    pool.add([6, 7, 8, 9, 3])
+    found = pool.lookup([0, 0, 7, 8, 9], OPTIONS)
+    assert found.matches == 3 and found.longest == 3
+    assert found.branches == [[1, 2, 0], [3]]  # the likeliest path first
+    assert found.probs[:2] == pytest.approx([2 / 3, 2 / 3])  # `1` and `1 2`: two of the three matches
+    assert pool.lookup([6, 7, 8, 9], OPTIONS).longest == 4  # the match extends back over `6`
+    assert pool.lookup([6, 7, 8, 9], SuffixOptions(max_matches=1)).branches == [[3]]  # the longest alone
+    assert pool.lookup([1, 7, 8], OPTIONS).matches == 0  # `1 7 8` never occurred
+    assert pool.lookup([9, 1], OPTIONS).matches == 0  # shorter than a window
+
+
+def test_a_match_never_runs_across_two_requests():
+    pool = SuffixPool(1000)
+    pool.add([1, 2, 3])
+    pool.add([4, 5, 6, 7])  # `2 3 4`, `3 4 5` span the boundary: not in the pool
+    assert pool.lookup([2, 3, 4], OPTIONS).matches == 0
+    assert pool.lookup([1, 2, 3], OPTIONS).branches == []  # `1 2 3` ended its request: nothing followed
+    assert pool.lookup([9, 4, 5, 6], OPTIONS).branches == [[7]]
+    assert pool.lookup([3, 4, 5, 6], OPTIONS).longest == 3  # the 3 before it was another request's
+
+
+def test_the_drafted_nodes_are_the_likeliest_and_form_a_tree():
+    """Against brute force on random continuations: the `budget` nodes chosen have the highest counts (ties
+    aside), every chosen node's parent is chosen, and the branches rebuild exactly the chosen nodes."""
+    rng = random.Random(0)
+    for _ in range(200):
+        follows = [[rng.randrange(3) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 12))]
+        budget = rng.randint(1, 10)
+        found = _top_nodes(follows, budget, 3)
+        counts = {}
+        for f in follows:
+            for d in range(1, len(f) + 1):
+                counts[tuple(f[:d])] = counts.get(tuple(f[:d]), 0) + 1
+        chosen = {tuple(b[:d]) for b in found.branches for d in range(1, len(b) + 1)}
+        assert len(chosen) == len(found.probs) == min(budget, len(counts))
+        assert all(path[:-1] in chosen or len(path) == 1 for path in chosen)
+        left_out = max((c for p, c in counts.items() if p not in chosen), default=0)
+        assert min(counts[p] for p in chosen) >= left_out
+        assert sorted(found.probs, reverse=True) == pytest.approx(
+            sorted(counts[p] / len(follows) for p in chosen)[::-1]
+        )
+
+
+def test_the_pool_holds_at_most_its_tokens_and_forgets_the_oldest():
+    pool = SuffixPool(100)
+    for k in range(200):
+        pool.add([k % 50 + 100, 1, 2, 3, k])  # `1 2 3` then the request's own number
+    assert len(pool) <= 100
+    found = pool.lookup([1, 2, 3], SuffixOptions(max_matches=64, scan=64, budget=64))
+    assert {b[0] for b in found.branches} == set(range(180, 200))  # the last 20 requests only
+    assert len(pool.index) <= 2 * 100 + 5
+    assert pool.lookup([0, 199, 1, 2], OPTIONS).matches == 0  # gone
+    big = SuffixPool(10)
+    big.add(list(range(50)))  # a request longer than the pool: its last tokens are kept
+    assert len(big) == 10 and big.lookup([41, 42, 43], OPTIONS).branches == [[44, 45, 46, 47, 48, 49]]
+
+
+def test_the_pool_is_safe_under_the_servers_threads():
+    pool = SuffixPool(5000)
+    errors = []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(200):
+                pool.add([k, i % 7, 1, 2, 3, i % 5, k])
+        except Exception as e:
+            errors.append(e)
+
+    def reader() -> None:
+        try:
+            for i in range(400):
+                pool.lookup([9, i % 7, 1, 2, 3], OPTIONS)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and pool.requests == 600 and len(pool) <= 5000
+    found = pool.lookup([0, 1, 2, 3], SuffixOptions(budget=64))
+    assert {b[0] for b in found.branches} <= set(range(5)) and found.matches == OPTIONS.max_matches
+
+
+def test_forks_share_one_pool_and_drafters_built_apart_do_not():
+    """A server's requests are forks of its drafter: one pool, the grafted form's too. Two drafters built apart
+    (two servers, two methods of a bench) learn apart."""
+    one, two = make_drafter("suffix"), make_drafter("suffix")
+    assert one.fork().pool is one.pool and one.pool is not two.pool
+    grafted = make_drafter("layerskip+suffix:1", tiny_llama())
+    assert grafted.name == "layerskip+suffix" and isinstance(grafted.lookup, SuffixDrafter)
+    fork = grafted.fork()
+    fork.finish([1, 2, 3, 4])
+    assert grafted.lookup.pool.requests == 1 and fork.lookup.pool is grafted.lookup.pool
+    with pytest.raises(ValueError, match="unknown drafter"):
+        make_drafter("eagle+nothing")
+
+
+def test_a_finished_request_teaches_the_next_one():
+    """Decoded one after another, the second request drafts from the first's output (the target's greedy tokens):
+    greedy identity holds and the second accepts more than the first, which had an empty pool."""
+    model = tiny_llama()
+    drafter = SuffixDrafter(SuffixOptions(min_ngram=3, max_ngram=3))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    accepted = []
+    for _ in range(2):
+        batch = Batch(Target(model))
+        request = batch.add(Request(list(prompt), drafter.fork(), max_new_tokens=24))
+        while len(batch):
+            batch.round()
+        accepted.append(sum(request.stats.accepted_per_depth))
+        outputs = request.context
+    assert drafter.pool.requests == 2 and len(drafter.pool) == 2 * len(outputs)
+    assert accepted[1] > accepted[0]
