@@ -279,11 +279,14 @@ def main() -> int:
     )
     if ties.shown or ties.not_ties:
         print(f"answers parting at a shown tie: {ties.shown}; without one: {ties.not_ties}")
-    # the same head in both: accepted tokens per position agree, within 10 % (or 3): vLLM does not count rounds where it
-    # drafts nothing, and the draft's own argmax may break a near-tie the other way in another float32 implementation
-    # (the shipped head of 2026-12-03: [112, 46, 20] against [114, 43, 17], answers 8/8 identical)
+    # the same head in both: accepted tokens per position agree, within 10 % (or 3) of the drafts that reached that
+    # position (those accepted at the one before: a position's count is decided there): vLLM does not count rounds
+    # where it drafts nothing, and the draft's own argmax may break a near-tie the other way in another float32
+    # implementation (the shipped head of 2026-12-03: [112, 46, 20] against [114, 43, 17]; of 2026-12-05: [124, 60,
+    # 33] against [124, 60, 29], 4 of the 60 third drafts; answers 8/8 identical both times)
+    reached = [ours["rounds"], *ours["accepted_per_depth"]]
     close = len(per_pos) == STEPS and all(
-        abs(v - h) <= max(3, 0.1 * h) for v, h in zip(per_pos, ours["accepted_per_depth"], strict=True)
+        abs(v - h) <= max(3, 0.1 * n) for v, h, n in zip(per_pos, ours["accepted_per_depth"], reached, strict=False)
     )
     ok = same == same_as_ours == len(prompts) and gap <= 0.15 and close
     print(f"vLLM check{f' ({args.variant})' if args.variant else ''}: " + ("OK" if ok else "FAILED"))
