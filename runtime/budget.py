@@ -11,9 +11,11 @@ measured hit rate (runtime/drafters/budgeted.py). `allocate` picks the width and
 maximise the round's expected committed tokens per ms:
 
     max over w, and offers o_i with o_i.nodes <= w (or none):
-        (B + sum_i o_i.gain) / (base_ms(B, w, longest) + sum_i (o_i.draft_ms + node_ms(B, w) o_i.nodes) + overhead_ms)
+        (B + sum_i o_i.gain) / (base_ms(B, w, longest) + sum_i (o_i.draft_ms + node_ms(B, w) o_i.nodes + tree_ms)
+                                + overhead_ms)
 
-(overhead_ms: what a round costs beyond the forward and the drafting, measured by the `Planner` as it runs).
+(overhead_ms: what a round costs beyond the forward and the drafting, tree_ms: what a sequence that speculates costs
+beyond that and the plain sequence's share of overhead_ms; both measured by the `Planner` as it runs).
 
 For a fixed w the base is paid whatever the sequences draft, so the best offers solve a ratio of separable sums:
 Dinkelbach's iteration (each sequence takes the offer maximising gain - lambda * (draft_ms + node_ms * nodes),
@@ -51,13 +53,19 @@ class Offer(NamedTuple):
 
 
 def allocate(
-    offers: Sequence[Sequence[Offer]], longest: int, cost: BatchCost, margin: float = 0.0, overhead_ms: float = 0.0
+    offers: Sequence[Sequence[Offer]],
+    longest: int,
+    cost: BatchCost,
+    margin: float = 0.0,
+    overhead_ms: float = 0.0,
+    tree_ms: float = 0.0,
 ) -> tuple[int, list[Offer | None]]:
     """The width and each sequence's offer (None: plain) with the most expected tokens per ms (module docstring),
     the width one of WIDTHS or the widest offer. `longest`: the most tokens a sequence of the batch holds in the
     cache; `margin`: a plan that speculates must promise (1 + margin) times the plain rate (the cost model's own
     error: a gain it cannot tell from that error is not taken); `overhead_ms`: what a round costs beyond the forward
-    and the drafting, whatever its plan (the loop's own work per sequence: accepting, committing, streaming).
+    and the drafting, whatever its plan (the loop's own work per sequence: accepting, committing, streaming);
+    `tree_ms`: what each sequence that speculates costs beyond that (its tree's accepting, committing, packing).
 
     Sequences that draft with one head draft together (runtime/drafters/together.py): a plan pays the largest
     `shared_ms` of its offers once and the rest of each offer's drafting, so every level of shared drafting is a case
@@ -85,7 +93,7 @@ def allocate(
     base = np.repeat([cost.base_ms(b, w, longest) for w in widths], len(levels))  # (C,) the forward, by width
     forward = base + level + overhead_ms  # (C,)
     per_node = np.repeat([cost.node_ms(b, w) for w in widths], len(levels))[:, None, None]  # (C, 1, 1)
-    spend = ms - shared + per_node * np.where(np.isfinite(nodes), nodes, 0)  # (C, B, M): an offer's own ms
+    spend = ms - shared + tree_ms + per_node * np.where(np.isfinite(nodes), nodes, 0)  # (C, B, M): an offer's own ms
     rate = np.maximum(plain, b / forward)  # a case that cannot beat plain keeps no plan
     chosen = np.full((len(width), b), -1)  # (C, B): each sequence's offer at each case's best rate, -1: plain
     rows = np.arange(b)
@@ -143,22 +151,35 @@ class Planner:
     A round costs more than its forward and drafting: accepting, committing, and a server's streaming of each
     sequence's tokens. That share is measured as it runs: the time from one plan to the next less what the model
     said the first plan's round would cost and less what the loop says it spent aside (`aside_s`: the joiners'
-    prefill before the plan, work a request does once whatever the rounds), per sequence, the median of the last
-    OVERHEAD_ROUNDS (an idle wait between two plans is an outlier the median ignores); it is paid by every round,
-    plain or not, so it makes tokens per round worth more. Under churn (32 clients) most rounds prefill a joiner's
-    chunk: counted as overhead, that made speculation look cheap (83 % of sequence-rounds speculated, 0.84x plain,
-    float32). `clock`: seconds, as `time.perf_counter` (tests)."""
+    prefill before the plan, work a request does once whatever the rounds). Rounds where no sequence speculated
+    give a plain sequence's share (per sequence, the median of the last OVERHEAD_ROUNDS such rounds; an idle wait
+    between two plans is an outlier the median ignores), paid by every plan; the others give what each sequence
+    that speculated cost beyond it (its tree's accepting, committing, the packing of uneven trees), paid by each
+    sequence a plan gives a tree (a round where a sequence's heads first caught up with more than CATCH_UP pairs,
+    its prompt's or a plain stretch's, is not counted: a cost paid once, not each round, that kept a request's
+    first trees from ever paying). One share for both made plain rounds look dear wherever most rounds speculated
+    (bfloat16, 16 sequences in-process: 1.7 ms a sequence charged, 0.6 measured on plain rounds) and the budget
+    speculated in 94 % of the sequence-rounds at 16 clients for 0.86x plain. Under churn (32 clients) most rounds
+    prefill a joiner's chunk: counted as overhead, that made speculation look cheap (83 % of sequence-rounds
+    speculated, 0.84x plain, float32). `clock`: seconds, as `time.perf_counter` (tests)."""
 
     OVERHEAD_ROUNDS = 64
+    CATCH_UP = 16  # pairs a sequence's heads may enter before drafting in a round the overheads are measured on
 
     def __init__(self, cost: BatchCost, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cost, self.clock = cost, clock
-        self.overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # ms per sequence beyond the model
-        self._last: tuple[float, float, int] | None = None  # (when the last plan was made, its modelled ms, sequences)
+        self.overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # plain rounds: ms a sequence
+        self.tree_overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # ms a speculating sequence, beyond
+        # (when the last plan was made, its modelled ms, the drafters, sequences given a tree)
+        self._last: tuple[float, float, Sequence[Sized], int] | None = None
 
     def overhead_ms(self) -> float:
-        """A sequence's share of a round beyond the model (ms): the median of the rounds seen, 0 before any."""
+        """A sequence's share of a round beyond the model (ms): the median of the plain rounds seen, 0 before any."""
         return max(statistics.median(self.overheads), 0.0) if self.overheads else 0.0
+
+    def tree_ms(self) -> float:
+        """What a sequence that speculates costs a round beyond a plain one's share (ms), 0 before any."""
+        return max(statistics.median(self.tree_overheads), 0.0) if self.tree_overheads else 0.0
 
     def __call__(
         self, drafters: Sequence[Sized], contexts: Sequence[list[int]], aside_s: float = 0.0
@@ -167,12 +188,19 @@ class Planner:
         on other work than the round (joiners' prefill)."""
         now, b = self.clock(), len(drafters)
         if self._last is not None:
-            then, modelled, sequences = self._last
-            self.overheads.append((1e3 * (now - then - aside_s) - modelled) / sequences)
+            then, modelled, last, trees = self._last
+            beyond = 1e3 * (now - then - aside_s) - modelled
+            if max((getattr(d, "caught_up", 0) for d in last), default=0) > self.CATCH_UP:
+                pass  # a head caught up with a backlog: paid once, not each round
+            elif trees:
+                self.tree_overheads.append((beyond - self.overhead_ms() * len(last)) / trees)
+            else:
+                self.overheads.append(beyond / len(last))
         offers = [d.offers(c) for d, c in zip(drafters, contexts, strict=True)]
         longest = max(len(c) for c in contexts) - 1
-        _, picks = allocate(offers, longest, self.cost, self.cost.error(b), self.overhead_ms() * b)
+        margin, overhead = self.cost.error(b), self.overhead_ms() * b
+        _, picks = allocate(offers, longest, self.cost, margin, overhead, self.tree_ms())
         for d, plan in zip(drafters, picks, strict=True):
             d.take(plan)
-        self._last = (now, plan_ms(picks, longest, self.cost), b)
+        self._last = (now, plan_ms(picks, longest, self.cost), list(drafters), sum(o is not None for o in picks))
         return picks

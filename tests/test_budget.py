@@ -151,42 +151,89 @@ def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_ow
         assert all((d.plan is not None) == speculates for d in drafters), b
 
 
-def test_the_planner_measures_what_a_round_costs_beyond_the_model_and_pays_it_every_round():
-    """Rounds that take 3 ms a sequence more than the model says (a server streaming each sequence's tokens) are
-    seen as such, a joiner's prefill between two plans is ignored (the median; and when every round prefills, the
-    loop says how long it took), and with that share paid by every
-    round a larger tree wins where, without it, a cheaper one did: tokens a round are worth more."""
+def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_speculating_apart():
+    """Rounds that take more than the model says (a server streaming each sequence's tokens, a tree's accepting and
+    committing) are seen as such: rounds where nobody speculated give a plain sequence's share (paid by every plan:
+    tokens a round are worth more, so a larger tree wins where a cheaper one did), the others what a speculating
+    sequence costs beyond it (paid by each tree: charged to plain rounds too, it made them look dear where most
+    rounds speculate). A joiner's prefill between two plans is ignored (the median; and when every round
+    prefills, the loop says how long it took)."""
     cost = BatchCost.linear(10.0, 0.0, 0.0)  # 10 ms a forward whatever its rows
     offers = [Offer(1, 0.5, 0.0, heads=1), Offer(4, 1.5, 8.0, heads=4)]  # 1 node, free; 4 nodes, 8 ms to draft
 
     class Fixed:
         plan = None
 
+        def __init__(self) -> None:
+            self.offered = offers
+
         def offers(self, context):
-            return offers
+            return self.offered
 
         def take(self, plan):
             self.plan = plan
 
     assert allocate([offers] * 2, 10, cost)[1] == [offers[0]] * 2  # 3 / 10 against 5 / 26
     assert allocate([offers] * 2, 10, cost, overhead_ms=2 * 30.0)[1] == [offers[1]] * 2  # 3 / 70 against 5 / 86
+    assert allocate([offers] * 2, 10, cost, tree_ms=20.0)[1] == [None, None]  # 3 / 50, 5 / 66 against 2 / 10
     now = [0.0]
     planner = Planner(cost, clock=lambda: now[0])
     drafters = [Fixed(), Fixed()]
-    for k in range(9):
-        planner(drafters, [[1, 2, 3]] * 2)
-        modelled = 10.0 + sum(d.plan.draft_ms for d in drafters if d.plan is not None)
-        now[0] += (modelled + 2 * 3.0 + (500.0 if k == 4 else 0.0)) / 1e3
-    assert planner.overhead_ms() == pytest.approx(3.0)
-    for _ in range(80):  # every round now prefills a joiner's chunk first (40 ms): work aside, no overhead
-        now[0] += 0.040
-        planner(drafters, [[1, 2, 3]] * 2, aside_s=0.040)
-        modelled = 10.0 + sum(d.plan.draft_ms for d in drafters if d.plan is not None)
-        now[0] += (modelled + 2 * 3.0) / 1e3
-    assert planner.overhead_ms() == pytest.approx(3.0)
+
+    def rounds(n: int, plain_ms: float, tree_ms: float, aside: float = 0.0, outlier: int = -1) -> None:
+        for k in range(n):
+            now[0] += aside
+            planner(drafters, [[1, 2, 3]] * 2, aside_s=aside)
+            trees = [d for d in drafters if d.plan is not None]
+            modelled = 10.0 + sum(d.plan.draft_ms for d in trees)
+            beyond = 2 * plain_ms + tree_ms * len(trees) + (500.0 if k == outlier else 0.0)
+            now[0] += (modelled + beyond) / 1e3
+
+    rounds(9, 0.0, 3.0, outlier=4)  # plain sequences cost what the model says, trees 3 ms more
+    assert (planner.overhead_ms(), planner.tree_ms()) == (pytest.approx(0.0, abs=1e-9), pytest.approx(3.0))
+    for d in drafters:
+        d.offered = []  # nothing to draft: plain rounds
+    rounds(9, 1.0, 0.0)
+    assert planner.overhead_ms() == pytest.approx(1.0)
+    for d in drafters:
+        d.offered = offers
+    rounds(80, 1.0, 3.0, aside=0.040)  # every round prefills a joiner's chunk first (40 ms): work aside
+    assert (planner.overhead_ms(), planner.tree_ms()) == (pytest.approx(1.0), pytest.approx(3.0))
     planner.overheads.extend([30.0] * 64)
     planner(drafters, [[1, 2, 3]] * 2)
     assert [d.plan for d in drafters] == [offers[1]] * 2
+    planner.tree_overheads.extend([400.0] * 64)
+    planner(drafters, [[1, 2, 3]] * 2)
+    assert [d.plan for d in drafters] == [None, None]
+
+
+def test_a_heads_catching_up_with_a_backlog_is_no_rounds_overhead():
+    """The round in which a sequence's heads first enter its prompt's pairs (or a plain stretch's) costs that once:
+    counted as what each tree costs, a request's first trees never paid (2 sequences, float32: the budget drafted
+    in 2 rounds of a run). Such rounds are left out of both shares; the rounds after them count."""
+    cost = BatchCost.linear(10.0, 0.0, 0.0)
+    now = [0.0]
+    planner = Planner(cost, clock=lambda: now[0])
+
+    class Drafting:
+        plan, caught_up = None, 300
+
+        def offers(self, context):
+            return [Offer(1, 0.9, 0.0, heads=1)]
+
+        def take(self, plan):
+            self.plan = plan
+
+    drafters = [Drafting(), Drafting()]
+    planner(drafters, [[1, 2, 3]] * 2)
+    now[0] += 0.200  # 190 ms beyond the model: 300 pairs through the head
+    planner(drafters, [[1, 2, 3]] * 2)
+    assert planner.tree_ms() == 0.0 and not planner.tree_overheads
+    for d in drafters:
+        d.caught_up = 3  # the pairs of the last round only
+    now[0] += 0.012
+    planner(drafters, [[1, 2, 3]] * 2)
+    assert planner.tree_ms() == pytest.approx(1.0) and all(d.plan is not None for d in drafters)
 
 
 def test_the_cost_model_is_measured_on_the_target_and_leaves_its_cache_empty():

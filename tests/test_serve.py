@@ -525,3 +525,27 @@ def test_each_answer_carries_its_acceptance_as_vllm_writes_it(tiny_model_dir):
         assert "metrics" not in httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
     finally:
         live.close()
+
+
+def test_serve_decodes_with_the_shipped_eagle_head_unless_told(monkeypatch, tiny_model_dir):
+    """No --drafter: the embedded model serves eagle+lookup (its EAGLE head is shipped; the load budget sizes the
+    trees); a model without shipped heads, or one with an adapter (the heads were trained on the base), plain; a
+    given --drafter is kept."""
+    from headstart.commands import common
+    from headstart.runtime.models import DEFAULT_MODEL
+
+    seen = []
+
+    def stop(args):
+        seen.append(args.drafter)
+        raise common.UserError("stop here")
+
+    monkeypatch.setattr(common, "load_engine", stop)
+    for argv in (
+        ["--model", DEFAULT_MODEL],
+        ["--model", str(tiny_model_dir)],
+        ["--model", DEFAULT_MODEL, "--adapter", str(tiny_model_dir)],
+        ["--model", DEFAULT_MODEL, "--drafter", "lookup"],
+    ):
+        assert main(["serve", *argv]) == 2
+    assert seen == ["eagle+lookup", "none", "none", "lookup"]

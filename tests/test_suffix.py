@@ -75,7 +75,7 @@ def test_the_pool_holds_at_most_its_tokens_and_forgets_the_oldest():
     assert len(pool) <= 100
     found = pool.lookup([1, 2, 3], SuffixOptions(max_matches=64, scan=64, budget=64))
     assert {b[0] for b in found.branches} == set(range(180, 200))  # the last 20 requests only
-    assert len(pool.index) <= 2 * 100 + 5
+    assert pool.entries <= 2 * 100 and pool.entries == sum(map(len, pool.index.values()))
     assert pool.lookup([0, 199, 1, 2], OPTIONS).matches == 0  # gone
     big = SuffixPool(10)
     big.add(list(range(50)))  # a request longer than the pool: its last tokens are kept

@@ -102,13 +102,14 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_drafter_args(p: argparse.ArgumentParser, default: str = "none") -> None:
+def add_drafter_args(p: argparse.ArgumentParser, default: str | None = "none", default_help: str = "") -> None:
+    """`--drafter` and the tree's options; `default` None: the command chooses (`default_help` says how)."""
     p.add_argument(
         "--drafter",
         default=default,
         metavar="SPEC",
         help=f"{', '.join(names())}; NAME:VALUE sets its first option (medusa:16, layerskip:8); "
-        f"+lookup grafts prompt-lookup branches onto the tree (default {default})",
+        f"+lookup grafts prompt-lookup branches onto the tree (default {default_help or default})",
     )
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     budget = "nodes per tree (default: the drafter's, from the profile)"

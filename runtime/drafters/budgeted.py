@@ -67,6 +67,11 @@ class Budgeted(Drafter):
         self.plan = plan
 
     @property
+    def caught_up(self) -> int:
+        """Pairs the heads entered into their cache before drafting this round (0: none, or no heads)."""
+        return getattr(self.heads, "caught_up", 0) if self._round is not None else 0
+
+    @property
     def graft(self) -> LookupGraft | None:
         return self.inner if isinstance(self.inner, LookupGraft) else None
 

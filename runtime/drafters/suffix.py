@@ -54,6 +54,7 @@ class SuffixPool:
         self.base = 0  # the global position of buf[0] (positions only grow: the index survives eviction)
         self.starts: deque[int] = deque()  # global positions where each held request starts
         self.index: dict[int, list[int]] = {}  # window key -> global positions just after it, oldest first
+        self.entries = 0  # positions in the index, those of dropped requests included until they go
         self.lock = threading.Lock()
         self.lookups = self.hits = 0
         self.requests = 0
@@ -65,7 +66,7 @@ class SuffixPool:
         """Forget every request (the counters too)."""
         with self.lock:
             self.base += len(self.buf)
-            self.buf, self.starts, self.index = array("q"), deque(), {}
+            self.buf, self.starts, self.index, self.entries = array("q"), deque(), {}, 0
             self.lookups = self.hits = self.requests = 0
 
     def add(self, tokens: list[int]) -> None:
@@ -76,30 +77,30 @@ class SuffixPool:
             start = self.base + len(self.buf)
             self.starts.append(start)
             self.buf.extend(tokens)
-            for i in range(len(tokens) - NGRAM + 1):
-                self.index.setdefault(_key(tokens, i + NGRAM), []).append(start + i + NGRAM)
+            self._index(tokens, start)
             self.requests += 1
             while len(self) > self.max_tokens:
                 self._drop_oldest()
 
+    def _index(self, tokens, start: int) -> None:
+        for i in range(len(tokens) - NGRAM + 1):
+            self.index.setdefault(_key(tokens, i + NGRAM), []).append(start + i + NGRAM)
+        self.entries += max(len(tokens) - NGRAM + 1, 0)
+
     def _drop_oldest(self) -> None:
-        """Forget the oldest request; its index entries go when next read, or all at once when they are many."""
+        """Forget the oldest request; its index entries go when a lookup reads them, or all at once when they are
+        as many as the held ones (a window no lookup asks for, the system prompt's, gains one every request)."""
         self.starts.popleft()
         end = self.starts[0] - 1 if self.starts else self.base + len(self.buf)  # the next request's SEP
         del self.buf[: end - self.base]
         self.base = end
-        if len(self.index) > 2 * self.max_tokens:  # windows no lookup asked for again: rebuild from what is held
-            self._reindex()
-
-    def _reindex(self) -> None:
-        self.index = {}
-        for start in self.starts:
-            i = start - self.base
-            while i < len(self.buf) and self.buf[i] != SEP:
-                i += 1
-            tokens = self.buf[start - self.base : i]
-            for j in range(len(tokens) - NGRAM + 1):
-                self.index.setdefault(_key(tokens, j + NGRAM), []).append(start + j + NGRAM)
+        if self.entries > 2 * self.max_tokens:
+            self.index, self.entries = {}, 0
+            for start in self.starts:
+                i = start - self.base
+                while i < len(self.buf) and self.buf[i] != SEP:
+                    i += 1
+                self._index(self.buf[start - self.base : i], start)
 
     def lookup(self, context: list[int], options: SuffixOptions) -> Continuations:
         """The continuations of the context's last tokens in the pool (module docstring)."""
@@ -114,6 +115,7 @@ class SuffixPool:
             live = next((k for k, p in enumerate(found) if p - NGRAM > self.base), len(found))
             if live:  # entries of dropped requests (positions only grow: they come first)
                 del found[:live]
+                self.entries -= live
             buf, base = self.buf, self.base
             scored = []
             for p in reversed(found[-options.scan :]):  # the most recent first
