@@ -117,14 +117,18 @@ def allocate(
     return max(o.nodes for o in plan if o is not None), plan
 
 
-def plan_ms(picks: Sequence[Offer | None], longest: int, cost: BatchCost) -> float:
-    """What the model says a plan's round costs: the forward at its width over its nodes, and the drafting (the
-    largest shared part once)."""
+def forward_ms(picks: Sequence[Offer | None], longest: int, cost: BatchCost) -> float:
+    """What the model says a plan's forward costs: at its width, over its nodes."""
     chosen = [o for o in picks if o is not None]
     width = max((o.nodes for o in chosen), default=0)
-    nodes = sum(o.nodes for o in chosen)
+    return cost.forward_ms(len(picks), width, longest, sum(o.nodes for o in chosen))
+
+
+def plan_ms(picks: Sequence[Offer | None], longest: int, cost: BatchCost) -> float:
+    """What the model says a plan's round costs: the forward, and the drafting (the largest shared part once)."""
+    chosen = [o for o in picks if o is not None]
     drafting = sum(o.draft_ms - o.shared_ms for o in chosen) + max((o.shared_ms for o in chosen), default=0.0)
-    return cost.forward_ms(len(picks), width, longest, nodes) + drafting
+    return forward_ms(picks, longest, cost) + drafting
 
 
 def expected_rate(picks: Sequence[Offer | None], longest: int, cost: BatchCost, overhead_ms: float = 0.0) -> float:
@@ -150,28 +154,28 @@ class Planner:
 
     A round costs more than its forward and drafting: accepting, committing, and a server's streaming of each
     sequence's tokens. That share is measured as it runs: the time from one plan to the next less what the model
-    said the first plan's round would cost and less what the loop says it spent aside (`aside_s`: the joiners'
-    prefill before the plan, work a request does once whatever the rounds). Rounds where no sequence speculated
+    says the first plan's forward costs and less what the loop says it spent on other work (`aside_s`: the last
+    round's drafting, as measured, and the joiners' prefill before this plan). Rounds where no sequence speculated
     give a plain sequence's share (per sequence, the median of the last OVERHEAD_ROUNDS such rounds; an idle wait
     between two plans is an outlier the median ignores), paid by every plan; the others give what each sequence
     that speculated cost beyond it (its tree's accepting, committing, the packing of uneven trees), paid by each
-    sequence a plan gives a tree (a round where a sequence's heads first caught up with more than CATCH_UP pairs,
-    its prompt's or a plain stretch's, is not counted: a cost paid once, not each round, that kept a request's
-    first trees from ever paying). One share for both made plain rounds look dear wherever most rounds speculated
+    sequence a plan gives a tree. One share for both made plain rounds look dear wherever most rounds speculated
     (bfloat16, 16 sequences in-process: 1.7 ms a sequence charged, 0.6 measured on plain rounds) and the budget
-    speculated in 94 % of the sequence-rounds at 16 clients for 0.86x plain. Under churn (32 clients) most rounds
-    prefill a joiner's chunk: counted as overhead, that made speculation look cheap (83 % of sequence-rounds
-    speculated, 0.84x plain, float32). `clock`: seconds, as `time.perf_counter` (tests)."""
+    speculated in 94 % of the sequence-rounds at 16 clients for 0.86x plain. Drafting is measured, not modelled,
+    here: a sequence's first drafting enters its prompt's pairs into the head's cache (and after a plain stretch,
+    that stretch's), a cost paid once that, counted as what a tree costs each round, kept the first trees from ever
+    paying. Under churn (32 clients) most rounds prefill a joiner's chunk: counted as overhead, that made
+    speculation look cheap (83 % of sequence-rounds speculated, 0.84x plain, float32). `clock`: seconds, as
+    `time.perf_counter` (tests)."""
 
     OVERHEAD_ROUNDS = 64
-    CATCH_UP = 16  # pairs a sequence's heads may enter before drafting in a round the overheads are measured on
 
     def __init__(self, cost: BatchCost, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cost, self.clock = cost, clock
         self.overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # plain rounds: ms a sequence
         self.tree_overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # ms a speculating sequence, beyond
-        # (when the last plan was made, its modelled ms, the drafters, sequences given a tree)
-        self._last: tuple[float, float, Sequence[Sized], int] | None = None
+        # (when the last plan was made, the model's ms of its forward, sequences, sequences given a tree)
+        self._last: tuple[float, float, int, int] | None = None
 
     def overhead_ms(self) -> float:
         """A sequence's share of a round beyond the model (ms): the median of the plain rounds seen, 0 before any."""
@@ -185,22 +189,20 @@ class Planner:
         self, drafters: Sequence[Sized], contexts: Sequence[list[int]], aside_s: float = 0.0
     ) -> list[Offer | None]:
         """Give each drafter its plan for the coming round; `aside_s`: seconds since the last plan the loop spent
-        on other work than the round (joiners' prefill)."""
+        on other work than the round's forward and its own steps (the last round's drafting, joiners' prefill)."""
         now, b = self.clock(), len(drafters)
         if self._last is not None:
-            then, modelled, last, trees = self._last
+            then, modelled, sequences, trees = self._last
             beyond = 1e3 * (now - then - aside_s) - modelled
-            if max((getattr(d, "caught_up", 0) for d in last), default=0) > self.CATCH_UP:
-                pass  # a head caught up with a backlog: paid once, not each round
-            elif trees:
-                self.tree_overheads.append((beyond - self.overhead_ms() * len(last)) / trees)
+            if trees:
+                self.tree_overheads.append((beyond - self.overhead_ms() * sequences) / trees)
             else:
-                self.overheads.append(beyond / len(last))
+                self.overheads.append(beyond / sequences)
         offers = [d.offers(c) for d, c in zip(drafters, contexts, strict=True)]
         longest = max(len(c) for c in contexts) - 1
         margin, overhead = self.cost.error(b), self.overhead_ms() * b
         _, picks = allocate(offers, longest, self.cost, margin, overhead, self.tree_ms())
         for d, plan in zip(drafters, picks, strict=True):
             d.take(plan)
-        self._last = (now, plan_ms(picks, longest, self.cost), list(drafters), sum(o is not None for o in picks))
+        self._last = (now, forward_ms(picks, longest, self.cost), b, sum(o is not None for o in picks))
         return picks

@@ -238,11 +238,13 @@ class LiveSizer:
         draft_ms_per_depth: float,
         every: int = 64,
         shared: float = 0.0,
+        pair_ms: float = 0.0,
     ) -> None:
         """`shared`: the share of a sequence's drafting that sequences drafting together pay once (measured:
-        `together.measure_shared`; the load budget's offers carry it)."""
+        `together.measure_shared`; the load budget's offers carry it); `pair_ms`: what a pair costs the head to
+        catch up with before drafting (`together.measure_catch_up`; the budget charges a request's backlog)."""
         self.curve, self.rank_accuracy, self.draft_ms, self.every = curve, rank_accuracy, draft_ms_per_depth, every
-        self.shared = shared
+        self.shared, self.pair_ms = shared, pair_ms
         self.curves: dict[tuple, object] = {}  # the drafters' offers and gains by factor (`EagleDrafter.offers`)
         first = choose_budget(curve, rank_accuracy, draft_ms_per_depth)
         self.factor = {False: 1.0, True: 1.0}  # sampled? -> factor on the accuracies

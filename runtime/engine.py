@@ -24,7 +24,7 @@ from headstart.heads.kinds import KINDS
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, choose_kernels, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
-from headstart.runtime.drafters.together import measure_shared
+from headstart.runtime.drafters.together import measure_catch_up, measure_shared
 from headstart.runtime.generate import Chunk, GenerationStats, SharedPrefix, stream
 from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
 from headstart.runtime.sampling import SamplingParams
@@ -171,18 +171,19 @@ class Engine:
         key = (base, str(heads))
         if key not in self._sizers:
             curve = cost_curve(self.target, cache_dir() / "costs")
-            draft_ms, shared = self._draft_ms_per_depth(spec, **options)
-            self._sizers[key] = LiveSizer(curve, accuracy, draft_ms, shared=shared)
+            draft_ms, shared, pair_ms = self._draft_ms_per_depth(spec, **options)
+            self._sizers[key] = LiveSizer(curve, accuracy, draft_ms, shared=shared, pair_ms=pair_ms)
         return self._sizers[key]
 
-    def _draft_ms_per_depth(self, spec: str, **options: Any) -> tuple[float, float]:
+    def _draft_ms_per_depth(self, spec: str, **options: Any) -> tuple[float, float, float]:
         """ms of drafting per tree depth, measured: a short greedy decode of a synthetic prompt with `spec`'s
-        drafter (its options and profile, the default tree size); and the share of it that sequences drafting
-        together pay once (`together.measure_shared`, 4 forks on the same prompt). Heads of a static tree
-        (Medusa's) guess every depth at once: 0, 0."""
+        drafter (its options and profile, the default tree size); the share of it that sequences drafting
+        together pay once (`together.measure_shared`, 4 forks on the same prompt); and the ms a pair costs the
+        head to catch up with (`together.measure_catch_up`). Heads of a static tree (Medusa's) guess every depth
+        at once: 0, 0, 0."""
         base = parse_spec(spec).base
         if any(kind.static_tree and kind.drafter_name == base for kind in KINDS.values()):
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         sizes = ("budget", "sampled_budget", "depth")  # the rest (top_k, draft_vocab ...) as the real drafter's
         own = {k: v for k, v in options.items() if k in option_names(base) and k not in sizes}
         if "min_prob" in option_names(base):
@@ -198,7 +199,7 @@ class Engine:
         rounds = max(stats.target_passes - stats.plain_passes, 1)
         per_depth = 1e3 * (stats.phase_s["propose"] + stats.phase_s["observe"]) / rounds / drafter.depth
         features = self.target.prefill(prompt[:-1], drafter.feature_layers) if drafter.feature_layers else None
-        return per_depth, measure_shared(drafter, prompt, features)
+        return per_depth, measure_shared(drafter, prompt, features), measure_catch_up(drafter, prompt, features)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of `prompt`, as one user turn under the model's chat template unless `chat` is False."""

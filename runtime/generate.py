@@ -156,7 +156,8 @@ class Batch:
     `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
     bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
     `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts and the
-    seconds the round's prefill took (`runtime/budget.Planner`; None: each drafter drafts what it drafts)."""
+    seconds spent aside since the last plan (this round's prefill, the last round's drafting)
+    (`runtime/budget.Planner`; None: each drafter drafts what it drafts)."""
 
     def __init__(
         self,
@@ -169,6 +170,7 @@ class Batch:
         self.target, self.kv_budget, self.prefix, self.planner = target, kv_budget, prefix, planner
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
         self.decoding: list[Request] = []  # in slots 0, 1, ...
+        self._drafted_s = 0.0  # the last round's propose phase (the planner's aside)
         self.joining: list[Request] = []  # waiting, the first one prefilling in the slot after the decoding ones
 
     def __len__(self) -> int:
@@ -203,16 +205,18 @@ class Batch:
         prefill_s = time.perf_counter() - t0
         live = list(self.decoding)
         if not live:
+            self._drafted_s = 0.0
             return []
         target, phases = self.target, Phases()
-        if self.planner is not None:  # the joiners' prefill is no part of what a round costs
-            self.planner([r.drafter for r in live], [r.context for r in live], prefill_s)
+        if self.planner is not None:  # the joiners' prefill and the drafting, as measured: apart from the round's rest
+            self.planner([r.drafter for r in live], [r.context for r in live], prefill_s + self._drafted_s)
         trees = propose_all([r.drafter for r in live], [r.context for r in live])  # heads' forwards batched
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()
             for r, t in zip(live, trees, strict=True)
         ]
         phases.lap("propose")
+        self._drafted_s = phases.s["propose"]
         layers = _feature_layers(live)
         verified = target.verify_batch([r.context[-1] for r in live], trees, layers)
         phases.lap("verify")

@@ -180,14 +180,16 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     planner = Planner(cost, clock=lambda: now[0])
     drafters = [Fixed(), Fixed()]
 
+    drafted = [0.0]  # the last round's drafting, as the loop measured it (ms)
+
     def rounds(n: int, plain_ms: float, tree_ms: float, aside: float = 0.0, outlier: int = -1) -> None:
         for k in range(n):
             now[0] += aside
-            planner(drafters, [[1, 2, 3]] * 2, aside_s=aside)
+            planner(drafters, [[1, 2, 3]] * 2, aside_s=aside + drafted[0] / 1e3)
             trees = [d for d in drafters if d.plan is not None]
-            modelled = 10.0 + sum(d.plan.draft_ms for d in trees)
+            drafted[0] = sum(d.plan.draft_ms for d in trees)
             beyond = 2 * plain_ms + tree_ms * len(trees) + (500.0 if k == outlier else 0.0)
-            now[0] += (modelled + beyond) / 1e3
+            now[0] += (10.0 + drafted[0] + beyond) / 1e3
 
     rounds(9, 0.0, 3.0, outlier=4)  # plain sequences cost what the model says, trees 3 ms more
     assert (planner.overhead_ms(), planner.tree_ms()) == (pytest.approx(0.0, abs=1e-9), pytest.approx(3.0))
@@ -207,32 +209,27 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     assert [d.plan for d in drafters] == [None, None]
 
 
-def test_a_heads_catching_up_with_a_backlog_is_no_rounds_overhead():
-    """The round in which a sequence's heads first enter its prompt's pairs (or a plain stretch's) costs that once:
-    counted as what each tree costs, a request's first trees never paid (2 sequences, float32: the budget drafted
-    in 2 rounds of a run). Such rounds are left out of both shares; the rounds after them count."""
+def test_drafting_as_the_loop_measured_it_is_no_rounds_overhead():
+    """The loop reports the last round's drafting as measured (aside): a sequence's first drafting enters its
+    prompt's pairs into the head's cache, a cost paid once that, counted as what each tree costs, kept a request's
+    first trees from ever paying (2 sequences, float32: the budget drafted in 2 rounds of a run)."""
     cost = BatchCost.linear(10.0, 0.0, 0.0)
     now = [0.0]
     planner = Planner(cost, clock=lambda: now[0])
 
     class Drafting:
-        plan, caught_up = None, 300
+        plan = None
 
         def offers(self, context):
-            return [Offer(1, 0.9, 0.0, heads=1)]
+            return [Offer(1, 0.9, 1.0, heads=1)]
 
         def take(self, plan):
             self.plan = plan
 
     drafters = [Drafting(), Drafting()]
     planner(drafters, [[1, 2, 3]] * 2)
-    now[0] += 0.200  # 190 ms beyond the model: 300 pairs through the head
-    planner(drafters, [[1, 2, 3]] * 2)
-    assert planner.tree_ms() == 0.0 and not planner.tree_overheads
-    for d in drafters:
-        d.caught_up = 3  # the pairs of the last round only
-    now[0] += 0.012
-    planner(drafters, [[1, 2, 3]] * 2)
+    now[0] += 0.200 + 0.012  # 200 ms drafting (300 pairs through the head), the forward 10 ms, 2 ms beyond
+    planner(drafters, [[1, 2, 3]] * 2, aside_s=0.200)
     assert planner.tree_ms() == pytest.approx(1.0) and all(d.plan is not None for d in drafters)
 
 

@@ -85,7 +85,6 @@ class EagleDrafter(SamplingDrafter):
         self._pending: list[tuple[torch.Tensor, list[int]]] = []  # committed pairs not yet in the cache
         self.sizer: LiveSizer | None = None
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
-        self.caught_up = 0  # pairs the last drafting entered into the head's cache (a prompt's, a plain stretch's)
         self._sized: tuple[tuple[int, ...], ...] | None = None  # the static shape `size` gave (None: the sizer's)
         self._curve: tuple[list[tuple[int, ...]], list[Offer]] = ([], [])  # the last `offers`' (shape, offers)
 
@@ -169,6 +168,11 @@ class EagleDrafter(SamplingDrafter):
                 self.shape = shape
 
     @property
+    def backlog(self) -> int:
+        """Pairs waiting to enter the head's cache before it drafts again (a prompt's, the plain rounds')."""
+        return sum(len(tokens) for _, tokens in self._pending)
+
+    @property
     def _samples(self) -> bool:
         """Whether this round's tree is sampled (a static shape at T > 0) rather than the greedy dynamic one."""
         return self.shape is not None and not self.sampling.greedy
@@ -207,7 +211,7 @@ class EagleDrafter(SamplingDrafter):
         return drive(self.drafting(context))
 
     def drafting(self, context: list[int]) -> Drafting:
-        self._drafted = self.caught_up = 0
+        self._drafted = 0
         if not self.budget:
             return DraftTree()
         if self._pending:  # the pairs of the rounds since the last proposal, in one head forward
@@ -215,7 +219,6 @@ class EagleDrafter(SamplingDrafter):
             tokens = [t for _, queued in self._pending for t in queued]
             self._pending = []
             past, n = self._committed, len(tokens)
-            self.caught_up = n
             allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)  # causal over the new entries
             out, root_logits = yield self._step(features, tokens, torch.arange(past, past + n), allowed, read=1)
             self._root_feature = out[-1]  # (H,) the predicted feature at the root

@@ -163,3 +163,20 @@ def measure_shared(drafter, prompt: list[int], features: torch.Tensor, k: int = 
             times[n].append(time.perf_counter() - t0)
     one, many = min(times[1][1:]), min(times[k][1:])
     return min(max((k * one - many) / ((k - 1) * one), 0.0), 1.0)
+
+
+def measure_catch_up(drafter, prompt: list[int], features: torch.Tensor, reps: int = 3) -> float:
+    """ms a pair costs a head to catch up with (a prompt's pairs, a plain stretch's, entered in one forward before
+    drafting): a fork's first drafting from `prompt` (its len - 1 pairs entered) less its next one (none), the
+    fastest of `reps` fresh forks, per pair. 0 for a drafter without a head."""
+    firsts, thens = [], []
+    for _ in range(reps + 1):  # the first fork warms up
+        fork = drafter.fork()
+        fork.start(prompt, features)
+        t0 = time.perf_counter()
+        propose_all([fork], [list(prompt)])
+        t1 = time.perf_counter()
+        propose_all([fork], [list(prompt)])
+        firsts.append(t1 - t0)
+        thens.append(time.perf_counter() - t1)
+    return max(1e3 * (min(firsts[1:]) - min(thens[1:])) / max(len(prompt) - 1, 1), 0.0)
