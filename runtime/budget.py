@@ -159,7 +159,9 @@ class Planner:
     give a plain sequence's share (per sequence, the median of the last OVERHEAD_ROUNDS such rounds; an idle wait
     between two plans is an outlier the median ignores), paid by every plan; the others give what each sequence
     that speculated cost beyond it (its tree's accepting, committing, the packing of uneven trees), paid by each
-    sequence a plan gives a tree. One share for both made plain rounds look dear wherever most rounds speculated
+    sequence a plan gives a tree; until a plain round is seen the whole is every sequence's share (a request
+    alone speculates every round: charged to its trees, plain looked cheap and its trees shrank, 1.51x plain at
+    one client against 1.61x). One share for both made plain rounds look dear wherever most rounds speculated
     (bfloat16, 16 sequences in-process: 1.7 ms a sequence charged, 0.6 measured on plain rounds) and the budget
     speculated in 94 % of the sequence-rounds at 16 clients for 0.86x plain. Drafting is measured, not modelled,
     here: a sequence's first drafting enters its prompt's pairs into the head's cache (and after a plain stretch,
@@ -173,17 +175,28 @@ class Planner:
     def __init__(self, cost: BatchCost, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cost, self.clock = cost, clock
         self.overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # plain rounds: ms a sequence
-        self.tree_overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # ms a speculating sequence, beyond
+        # rounds with trees: (ms beyond the model, sequences, sequences given a tree)
+        self.tree_rounds: deque[tuple[float, int, int]] = deque(maxlen=self.OVERHEAD_ROUNDS)
         # (when the last plan was made, the model's ms of its forward, sequences, sequences given a tree)
         self._last: tuple[float, float, int, int] | None = None
 
     def overhead_ms(self) -> float:
-        """A sequence's share of a round beyond the model (ms): the median of the plain rounds seen, 0 before any."""
-        return max(statistics.median(self.overheads), 0.0) if self.overheads else 0.0
+        """A sequence's share of a round beyond the model (ms): the median of the plain rounds seen; before any,
+        of every round's, speculating or not (alone, a request speculates every round: its whole overhead is then
+        the share a plain step would pay too, or plain would look cheaper than it is); 0 before any round."""
+        if self.overheads:
+            return max(statistics.median(self.overheads), 0.0)
+        if self.tree_rounds:
+            return max(statistics.median(beyond / n for beyond, n, _ in self.tree_rounds), 0.0)
+        return 0.0
 
     def tree_ms(self) -> float:
-        """What a sequence that speculates costs a round beyond a plain one's share (ms), 0 before any."""
-        return max(statistics.median(self.tree_overheads), 0.0) if self.tree_overheads else 0.0
+        """What a sequence that speculates costs a round beyond a plain one's share (ms): 0 until plain rounds
+        have told that share apart."""
+        if not self.overheads or not self.tree_rounds:
+            return 0.0
+        plain = self.overhead_ms()
+        return max(statistics.median((beyond - plain * n) / trees for beyond, n, trees in self.tree_rounds), 0.0)
 
     def __call__(
         self, drafters: Sequence[Sized], contexts: Sequence[list[int]], aside_s: float = 0.0
@@ -195,7 +208,7 @@ class Planner:
             then, modelled, sequences, trees = self._last
             beyond = 1e3 * (now - then - aside_s) - modelled
             if trees:
-                self.tree_overheads.append((beyond - self.overhead_ms() * sequences) / trees)
+                self.tree_rounds.append((beyond, sequences, trees))
             else:
                 self.overheads.append(beyond / sequences)
         offers = [d.offers(c) for d, c in zip(drafters, contexts, strict=True)]

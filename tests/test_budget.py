@@ -191,8 +191,8 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
             beyond = 2 * plain_ms + tree_ms * len(trees) + (500.0 if k == outlier else 0.0)
             now[0] += (10.0 + drafted[0] + beyond) / 1e3
 
-    rounds(9, 0.0, 3.0, outlier=4)  # plain sequences cost what the model says, trees 3 ms more
-    assert (planner.overhead_ms(), planner.tree_ms()) == (pytest.approx(0.0, abs=1e-9), pytest.approx(3.0))
+    rounds(9, 0.0, 3.0, outlier=4)  # every round speculates: 3 ms a sequence beyond the model, its whole share
+    assert (planner.overhead_ms(), planner.tree_ms()) == (pytest.approx(3.0), 0.0)
     for d in drafters:
         d.offered = []  # nothing to draft: plain rounds
     rounds(9, 1.0, 0.0)
@@ -204,7 +204,7 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     planner.overheads.extend([30.0] * 64)
     planner(drafters, [[1, 2, 3]] * 2)
     assert [d.plan for d in drafters] == [offers[1]] * 2
-    planner.tree_overheads.extend([400.0] * 64)
+    planner.tree_rounds.extend([(800.0, 2, 2)] * 64)
     planner(drafters, [[1, 2, 3]] * 2)
     assert [d.plan for d in drafters] == [None, None]
 
@@ -230,7 +230,7 @@ def test_drafting_as_the_loop_measured_it_is_no_rounds_overhead():
     planner(drafters, [[1, 2, 3]] * 2)
     now[0] += 0.200 + 0.012  # 200 ms drafting (300 pairs through the head), the forward 10 ms, 2 ms beyond
     planner(drafters, [[1, 2, 3]] * 2, aside_s=0.200)
-    assert planner.tree_ms() == pytest.approx(1.0) and all(d.plan is not None for d in drafters)
+    assert planner.overhead_ms() == pytest.approx(1.0) and all(d.plan is not None for d in drafters)
 
 
 def test_the_cost_model_is_measured_on_the_target_and_leaves_its_cache_empty():
@@ -343,6 +343,33 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     for o in good.offers([1, 2]):
         assert traffic[o.nodes] < o.gain <= o.nodes
     assert all(o.gain < traffic[o.nodes] for o in bad.offers([1, 2]))
+
+
+def test_a_requests_backlog_is_charged_to_its_heads_offers():
+    """Pairs waiting for the head (a prompt's, a plain stretch's) are entered before it drafts: each heads' offer
+    costs them at the sizer's ms a pair, a graft alone (no head forward) does not; measured on the drafter, a pair
+    costs >= 0."""
+    from headstart.runtime.cost_curve import LiveSizer
+    from headstart.runtime.drafters.eagle import EagleDrafter
+    from headstart.runtime.drafters.together import measure_catch_up
+    from helpers.exactness import random_heads, sampling_model
+
+    model = sampling_model()
+    accuracy = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
+    eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
+    eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, pair_ms=0.1)
+    drafter = Budgeted(LookupGraft(eagle)).fork()
+    prompt = [1, 5, 2, 7, 1, 5, 2]
+    target = Target(model)
+    features = target.prefill(prompt[:-1], eagle.feature_layers)
+    before = {(o.nodes, o.graft): o.draft_ms for o in drafter.offers(prompt)}
+    drafter.start(prompt, features)
+    assert drafter.heads.backlog == len(prompt) - 1
+    after = {(o.nodes, o.graft): o for o in drafter.offers(prompt)}
+    for key, o in after.items():
+        charged = 0.1 * (len(prompt) - 1) if o.heads else 0.0
+        assert o.draft_ms == pytest.approx(before.get(key, 0.0) + charged)
+    assert measure_catch_up(eagle, prompt, features, reps=1) >= 0.0
 
 
 def test_sampling_sized_by_the_budget_follows_the_target():
