@@ -2,9 +2,10 @@
 
 The head's own KV cache holds one entry per committed pair (feature(t), token(t+1)) at position t,
 built from the target's true features; its output at the last pair is the predicted feature at
-the root, whose lm_head readout scores the root's children. The pairs a round commits wait until the next
-`propose` (`observe` only queues them): rounds that draft nothing (a plain round under load) cost no head
-forward, and their pairs enter the cache in one forward when drafting resumes. Drafting, depth by depth: score every
+the root, whose lm_head readout scores the root's children. The prompt's pairs enter it at `start` (the request's
+prefill); the pairs a round commits wait until the next `propose` (`observe` only queues them): rounds that draft
+nothing (a plain round under load) cost no head forward, and their pairs enter the cache in one forward when
+drafting resumes (the load budget charges that backlog to the request's trees). Drafting, depth by depth: score every
 frontier node by the cumulative log-probability of its path, expand the `top_k` best (one head
 forward over all of them, a tree mask inside the head), give each its `top_k` likeliest children.
 Then rerank every drafted node by cumulative log-probability and keep the best `budget`: a child is
@@ -44,7 +45,7 @@ from headstart.runtime.budget import Offer
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, scale_accuracy
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
-from headstart.runtime.drafters.together import Drafting, HeadStep, drive
+from headstart.runtime.drafters.together import Drafting, HeadStep, drive, run_alone
 from headstart.runtime.kernels import prepack_like_target
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, choose_tree_shape
@@ -192,10 +193,17 @@ class EagleDrafter(SamplingDrafter):
         self.cache = DynamicCache()
         self._root_feature = None
         self.start_sampling(sampling, seed)
-        # the prompt's pairs wait with the rounds' for the first proposal: a request that never drafts (a busy
-        # batch, the budget's plain rounds) never runs the head over its prompt
-        has = prompt_hidden is not None and len(prompt_hidden)
-        self._pending = [(prompt_hidden, list(prompt_ids[1:]))] if has else []
+        # the prompt's pairs enter the head's cache now, in the request's prefill: waiting for the first proposal
+        # spared a request that never drafts the head forward, but the load budget had to charge a joiner's first
+        # tree its whole prompt (or let it draft sometimes and pay it: 0.70x plain at 16 clients); what waits
+        # now is the pairs of a request's plain rounds (`backlog`)
+        self._pending = []
+        if prompt_hidden is not None and len(prompt_hidden):
+            n = len(prompt_hidden)
+            allowed = torch.ones(n, n, dtype=torch.bool).tril()
+            step = self._step(prompt_hidden, list(prompt_ids[1:]), torch.arange(n), allowed, read=0)
+            with torch.inference_mode():
+                self._root_feature = run_alone(step)[0][-1]  # (H,) the predicted feature at the root
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         rows = [0, *(i + 1 for i in path)]  # the root and the accepted nodes: their true features

@@ -112,6 +112,11 @@ def measure(servers: list[Server], args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for i, server in enumerate(servers):
+                try:  # a server left on the port (an interrupted run) would answer for this one
+                    httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=2)
+                    raise SystemExit(f"port {server.port} is taken: stop what listens there first")
+                except httpx.HTTPError:
+                    pass
                 log = open(Path(tmp) / f"server-{i}.log", "w")  # noqa: SIM115 (closed with the server, below)
                 proc = subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT, env=server.env)
                 procs.append((proc, log))
