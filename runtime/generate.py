@@ -187,14 +187,15 @@ class Batch:
     def remove(self, request: Request) -> None:
         """`request` leaves now (its client went away, its time ran out): its slot is free for the next round."""
         request.done = True
-        if request in self.joining or request in self.decoding:  # once: what it wrote, for drafters that learn
-            request.drafter.finish(request.context)
         if request in self.joining:
             self.joining.remove(request)
         elif request in self.decoding:  # the last decoding sequence takes its slot: one cache moves
             i = self.decoding.index(request)
             self.decoding[i] = self.decoding[-1]
             self.decoding.pop()
+        else:
+            return  # gone already
+        request.drafter.finish(request.context)  # once: what it wrote, for drafters that learn from traffic
         self._compact()
 
     @torch.inference_mode()

@@ -189,6 +189,13 @@ class EagleDrafter(SamplingDrafter):
         `allowed` (n, past + n); the last `read` outputs read out."""
         return HeadStep(self.head, self.readout, self.embed, self.cache, features, tokens, positions, allowed, read)
 
+    def _enter(self, features: torch.Tensor, tokens: list[int], read: int) -> HeadStep:
+        """The head forward entering committed pairs (features (n, F), their next tokens) into its cache, causal
+        over the new entries after the committed ones."""
+        past, n = self._committed, len(tokens)
+        allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        return self._step(features, tokens, torch.arange(past, past + n), allowed, read)
+
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()
         self._root_feature = None
@@ -199,11 +206,8 @@ class EagleDrafter(SamplingDrafter):
         # now is the pairs of a request's plain rounds (`backlog`)
         self._pending = []
         if prompt_hidden is not None and len(prompt_hidden):
-            n = len(prompt_hidden)
-            allowed = torch.ones(n, n, dtype=torch.bool).tril()
-            step = self._step(prompt_hidden, list(prompt_ids[1:]), torch.arange(n), allowed, read=0)
             with torch.inference_mode():
-                self._root_feature = run_alone(step)[0][-1]  # (H,) the predicted feature at the root
+                self._root_feature = run_alone(self._enter(prompt_hidden, list(prompt_ids[1:]), read=0))[0][-1]
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         rows = [0, *(i + 1 for i in path)]  # the root and the accepted nodes: their true features
@@ -226,9 +230,7 @@ class EagleDrafter(SamplingDrafter):
             features = torch.cat([f for f, _ in self._pending])
             tokens = [t for _, queued in self._pending for t in queued]
             self._pending = []
-            past, n = self._committed, len(tokens)
-            allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)  # causal over the new entries
-            out, root_logits = yield self._step(features, tokens, torch.arange(past, past + n), allowed, read=1)
+            out, root_logits = yield self._enter(features, tokens, read=1)
             self._root_feature = out[-1]  # (H,) the predicted feature at the root
         elif self._root_feature is not None:
             root_logits = self.readout(self._root_feature[None])

@@ -38,7 +38,7 @@ from headstart.runtime.drafters.options import (
 if TYPE_CHECKING:
     from headstart.runtime.drafters.base import Drafter
 
-GRAFTS = {"lookup": LookupOptions, "suffix": SuffixOptions}  # NAME+KEY: KEY's branches grafted onto NAME's tree
+GRAFTS = ("lookup", "suffix")  # NAME+KEY: the branches of the drafter KEY (its entry) grafted onto NAME's tree
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ def option_names(spec: str | DrafterSpec) -> list[str]:
     spec = parse_spec(spec) if isinstance(spec, str) else spec
     keys = list(_fields(entry(spec.base).options))
     if spec.graft:
-        keys += [k for k in _fields(GRAFTS[spec.graft]) if k != "budget" and k not in keys] + list(
+        keys += [k for k in _fields(REGISTRY[spec.graft].options) if k != "budget" and k not in keys] + list(
             _fields(GraftOptions)
         )
     return keys
@@ -305,7 +305,7 @@ def resolve(spec: str | DrafterSpec, profile: str | None = None, **options: Any)
     values = {**profiles.options(profile, spec.base), **given}
     groups = {"inner": found.options}
     if spec.graft:
-        groups.update(lookup=GRAFTS[spec.graft], graft=GraftOptions)
+        groups.update(lookup=REGISTRY[spec.graft].options, graft=GraftOptions)
     resolved = {}
     for group, cls in groups.items():
         keys = [k for k in _fields(cls) if not (group == "lookup" and k == "budget")]  # a graft's budget is its own
@@ -336,5 +336,5 @@ def make_drafter(
         return drafter
     from headstart.runtime.drafters.graft import LookupGraft
 
-    branches = (_lookup if spec.graft == "lookup" else _suffix)(resolved["lookup"], ctx)
+    branches = REGISTRY[spec.graft].build(resolved["lookup"], ctx)
     return LookupGraft(drafter, branches, resolved["graft"].graft_budget)

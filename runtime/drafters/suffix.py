@@ -44,7 +44,7 @@ class Continuations(NamedTuple):
 
 class SuffixPool:
     """Token ids of finished requests, FIFO past `max_tokens`, with an index of their NGRAM-token windows.
-    Thread-safe (one lock: the server's worker adds and looks up; the HTTP threads read the counters)."""
+    Thread-safe (one lock: a server's worker adds and looks up; nothing stops other threads doing the same)."""
 
     def __init__(self, max_tokens: int) -> None:
         if max_tokens < 1:
@@ -56,8 +56,7 @@ class SuffixPool:
         self.index: dict[int, list[int]] = {}  # window key -> global positions just after it, oldest first
         self.entries = 0  # positions in the index, those of dropped requests included until they go
         self.lock = threading.Lock()
-        self.lookups = self.hits = 0
-        self.requests = 0
+        self.requests = 0  # held or not, every one added
 
     def __len__(self) -> int:
         return len(self.buf) - len(self.starts)
@@ -67,7 +66,7 @@ class SuffixPool:
         with self.lock:
             self.base += len(self.buf)
             self.buf, self.starts, self.index, self.entries = array("q"), deque(), {}, 0
-            self.lookups = self.hits = self.requests = 0
+            self.requests = 0
 
     def add(self, tokens: list[int]) -> None:
         """Hold a finished request's tokens (its prompt and output): index it, drop the oldest past the cap."""
@@ -108,7 +107,6 @@ class SuffixPool:
         if len(context) < NGRAM:
             return none
         with self.lock:
-            self.lookups += 1
             found = self.index.get(_key(context, len(context)))
             if not found:
                 return none
@@ -132,22 +130,9 @@ class SuffixPool:
                     follow.append(buf[q])
                 if follow:
                     scored.append((m, follow))
-            if scored:
-                self.hits += 1
         scored.sort(key=lambda s: -s[0])  # stable: the most recent first among equals
         kept = scored[: options.max_matches]
         return _top_nodes([f for _, f in kept], options.budget, kept[0][0] if kept else 0)
-
-    def stats(self) -> dict[str, float]:
-        """Its size and how often a lookup found something (for /metrics)."""
-        with self.lock:
-            return {
-                "requests": self.requests,
-                "tokens": len(self),
-                "bytes": self.buf.itemsize * len(self.buf),
-                "lookups": self.lookups,
-                "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
-            }
 
 
 def _key(tokens, end: int) -> int:
