@@ -346,9 +346,9 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
 
 
 def test_a_requests_backlog_is_charged_to_its_heads_offers():
-    """Pairs waiting for the head (a plain stretch's; the prompt's enter at start) are entered before it drafts: each
-    heads' offer costs them at the sizer's ms a pair, a graft alone (no head forward) does not; measured on the
-    drafter, a pair costs >= 0."""
+    """Pairs waiting for the head are entered before it drafts: a plain stretch's are charged to each heads' offer at
+    the sizer's ms a pair, a graft alone (no head forward) is not; the prompt's wait uncharged and a request that
+    never drafts never runs the head over them; measured on the drafter, a pair costs >= 0."""
     from headstart.runtime.cost_curve import LiveSizer
     from headstart.runtime.drafters.eagle import EagleDrafter
     from headstart.runtime.drafters.together import measure_catch_up
@@ -362,17 +362,20 @@ def test_a_requests_backlog_is_charged_to_its_heads_offers():
     prompt = [1, 5, 2, 7, 1, 5, 2]
     target = Target(model)
     features = target.prefill(prompt[:-1], eagle.feature_layers)
-    drafter.start(prompt, features)  # the prompt's pairs enter the head's cache now: no backlog
-    assert drafter.heads.backlog == 0
+    drafter.start(prompt, features)  # the prompt's pairs wait for the first drafting, uncharged
+    assert drafter.heads.backlog == 0 and drafter.heads.cache.get_seq_length() == 0
     before = {(o.nodes, o.graft): o.draft_ms for o in drafter.offers(prompt)}
     for _ in range(3):  # three plain rounds: their pairs wait for the next drafting
         drafter.take(None)
         drafter.observe(DraftTree(), [], features[-1:], 4)
-    assert drafter.heads.backlog == 3
+    assert drafter.heads.backlog == 3 and drafter.heads.cache.get_seq_length() == 0
     after = {(o.nodes, o.graft): o for o in drafter.offers(prompt)}
     for key, o in after.items():
         charged = 0.1 * 3 if o.heads else 0.0
         assert o.draft_ms == pytest.approx(before.get(key, 0.0) + charged)
+    drafter.take(max(after.values(), key=lambda o: o.heads))
+    drafter.propose([*prompt, 4, 4, 4])  # the prompt's 6 pairs and the stretch's 3 enter, then nothing waits
+    assert drafter.heads.backlog == 0 and drafter.heads.cache.get_seq_length() == 9
     assert measure_catch_up(eagle, prompt, features, reps=1) >= 0.0
 
 

@@ -9,9 +9,10 @@ What each offer is worth comes from the drafter's own evidence:
   gets smaller trees, one that accepts more, deeper ones: the factor scales each depth's accuracy, so a long
   path gains more than a short one (scaling the curve's gains instead promised a 2-node tree up to 2 nodes and
   the budget chose such trees for requests whose deep paths were the ones accepted). Drafting costs its depth's
-  measured ms plus the head's backlog (the pairs of its plain rounds, entered before it drafts; the prompt's
-  enter at `start`) at the measured ms a pair: uncharged, under load a few requests drafted now and then, each
-  paying its whole backlog (bfloat16, 16 clients: 8 % of sequence-rounds speculated, 0.87x plain);
+  measured ms plus the head's backlog (the pairs of its plain rounds, entered before it drafts; the prompt's,
+  entered with them at its first drafting, are not charged: `EagleDrafter.backlog`) at the measured ms a pair:
+  uncharged, under load a few requests drafted now and then, each paying its whole backlog (bfloat16, 16
+  clients: 8 % of sequence-rounds speculated, 0.87x plain);
 - grafted lookup branches (`X+lookup`): the trie found in the context now (its nodes exact), worth what this
   request's grafted nodes were accepted per round, starting from what every request's were (the traffic's: the
   forks of one Budgeted share it; GRAFT_PRIOR before any). Each request starting from GRAFT_PRIOR alone, at two
