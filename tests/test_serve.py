@@ -527,6 +527,55 @@ def test_each_answer_carries_its_acceptance_as_vllm_writes_it(tiny_model_dir):
         live.close()
 
 
+def test_the_suffix_pool_learns_from_the_servers_traffic_and_shows_on_metrics(tiny_model_dir):
+    """A suffix drafter's pool is the server's: every finished request enters it, and /metrics shows what it holds,
+    its lookups, its hits (the same prompt again matches the first request) and their cost. A server whose drafter
+    keeps no pool shows none."""
+    live = LiveServer(tiny_engine(tiny_model_dir, "suffix"), speculate_up_to=8)  # every round drafts
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    try:
+        first = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        held = live.metric("headstart_suffix_pool_tokens")
+        assert live.metric("headstart_suffix_pool_requests") == 1
+        usage = first["usage"]
+        assert usage["prompt_tokens"] < held <= usage["prompt_tokens"] + usage["completion_tokens"]
+        assert live.metric("headstart_suffix_pool_hits_total") == 0
+        httpx.post(live.url + "/v1/completions", json=body, timeout=60).raise_for_status()
+        assert live.metric("headstart_suffix_pool_requests") == 2
+        assert live.metric("headstart_suffix_pool_lookups_total") >= live.metric("headstart_suffix_pool_hits_total") > 0
+        assert live.metric("headstart_suffix_pool_lookup_seconds_total") > 0
+        assert live.metric("headstart_suffix_pool_lookup_seconds_p95") > 0
+    finally:
+        live.close()
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup"))
+    try:
+        assert "headstart_suffix_pool" not in httpx.get(live.url + "/metrics").text
+    finally:
+        live.close()
+
+
+def test_no_suffix_pool_turns_the_pool_off_and_is_refused_where_there_is_none(monkeypatch, capsys):
+    """--no-suffix-pool: a suffix drafter keeps no pool (its pool_tokens 0); with a drafter that keeps none, or
+    beside --suffix-pool-tokens N, a one-line error before anything loads."""
+    from headstart.commands import common
+    from headstart.runtime.models import DEFAULT_MODEL
+
+    seen = []
+
+    def stop(args):
+        seen.append(common.drafter_options(args, args.drafter))
+        raise common.UserError("stop here")
+
+    monkeypatch.setattr(common, "load_engine", stop)
+    assert main(["serve", "--model", DEFAULT_MODEL, "--drafter", "eagle+suffix", "--no-suffix-pool"]) == 2
+    assert seen == [{"pool_tokens": 0}]
+    assert main(["serve", "--model", DEFAULT_MODEL, "--drafter", "eagle+lookup", "--no-suffix-pool"]) == 2
+    assert "keeps no pool" in capsys.readouterr().err
+    flags = ["--drafter", "suffix", "--no-suffix-pool", "--suffix-pool-tokens", "9"]
+    assert main(["serve", "--model", DEFAULT_MODEL, *flags]) == 2
+    assert "not both" in capsys.readouterr().err and len(seen) == 1
+
+
 def test_serve_decodes_with_the_shipped_eagle_head_unless_told(monkeypatch, tiny_model_dir):
     """No --drafter: the embedded model serves eagle+lookup (its EAGLE head is shipped; the load budget sizes the
     trees); a model without shipped heads, or one with an adapter (the heads were trained on the base), plain; a

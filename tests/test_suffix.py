@@ -140,3 +140,42 @@ def test_a_finished_request_teaches_the_next_one():
         outputs = request.context
     assert drafter.pool.requests == 2 and len(drafter.pool) == 2 * len(outputs)
     assert accepted[1] > accepted[0]
+
+
+def test_the_pool_counts_its_lookups_hits_and_their_cost():
+    """`stats` (what /metrics shows): the requests and tokens held, every lookup, a hit where the longest match
+    reaches `min_match` (the pool's branches are drafted), lookup seconds in all and their p95."""
+    pool = SuffixPool(1000)
+    pool.add([1, 2, 3, 4, 5, 6, 7])
+    pool.add([9, 9, 9])
+    options = SuffixOptions(min_match=5)
+    pool.lookup([1, 2, 3, 4, 5], options)  # a 5-token match: a hit
+    pool.lookup([0, 3, 4, 5], options)  # a 3-token match: too short
+    pool.lookup([8, 8, 8], options)  # nothing
+    pool.lookup([5], options)  # shorter than a window
+    stats = pool.stats()
+    assert (stats["requests"], stats["tokens"], stats["lookups"], stats["hits"]) == (2, 10, 4, 1)
+    assert stats["index_entries"] == 5 + 1
+    assert 0 < stats["lookup_seconds_p95"] <= stats["lookup_seconds"]
+    pool.clear()
+    assert pool.stats()["lookups"] == 0
+
+
+def test_no_pool_is_the_requests_own_lookup_and_pool_of_finds_it_through_wrappers():
+    """`pool_tokens` 0 (`--no-suffix-pool`): no pool, nothing kept, the request's own lookup branches alone.
+    `pool_of` finds a drafter's pool through a graft, a budget and forks; a drafter without one has None."""
+    from headstart.runtime.drafters.budgeted import Budgeted
+    from headstart.runtime.drafters.lookup import LookupDrafter
+    from headstart.runtime.drafters.suffix import pool_of
+
+    alone = SuffixDrafter(SuffixOptions(pool_tokens=0))
+    context = [4, 5, 6, 7, 4, 5, 6]
+    alone.finish(context)
+    assert alone.pool is None and pool_of(alone) is None
+    assert alone.find_branches(context) == LookupDrafter(SuffixOptions()).find_branches(context) == [[7, 4, 5, 6]]
+    grafted = make_drafter("layerskip+suffix:1", tiny_llama())
+    budgeted = Budgeted(grafted).fork()
+    assert pool_of(budgeted) is grafted.lookup.pool is not None
+    assert pool_of(make_drafter("layerskip+lookup:1", tiny_llama())) is None
+    with pytest.raises(ValueError, match="pool_tokens"):
+        SuffixOptions(pool_tokens=-1)

@@ -26,6 +26,7 @@ FLAGS = {
     "draft_layers": "--draft-layers",
     "allow_adapter_mismatch": "--allow-adapter-mismatch",
     "draft_temperature": "--draft-temperature",
+    "pool_tokens": "--suffix-pool-tokens",
 }
 
 
@@ -114,6 +115,13 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str | None = "none", d
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     budget = "nodes per tree (default: the drafter's, from the profile)"
     p.add_argument("--tree-budget", type=at_least_one, default=None, help=budget)
+    p.add_argument(
+        "--suffix-pool-tokens",
+        type=at_least_zero,
+        default=None,
+        metavar="N",
+        help="X+suffix: tokens of finished requests kept to draft from (default 262144; 0: none)",
+    )
     add_tree_args(p)
     add_profile_arg(p)
 
@@ -135,12 +143,20 @@ def seed_value(text: str) -> int:
 
 
 def at_least_one(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def at_least_zero(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from headstart.commands import common
+from headstart.runtime.drafters.registry import option_names
 from headstart.runtime.prompts import load_prompts
 
 
@@ -43,6 +44,11 @@ def add_parsers(sub) -> None:
     )
     sv.add_argument(
         "--kv-cache-gb", type=float, default=None, help="KV cache budget; requests wait until they fit (default 4)"
+    )
+    sv.add_argument(
+        "--no-suffix-pool",
+        action="store_true",
+        help="X+suffix: keep no pool of finished requests (one request can time what others asked: docs/serving.md)",
     )
     sv.add_argument(
         "--per-request-spec-decode-metrics",
@@ -167,6 +173,12 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         )
     if args.drafter is None:
         args.drafter = default_drafter(args.model, args.adapter)
+    if args.no_suffix_pool:
+        if "pool_tokens" not in option_names(args.drafter):
+            raise common.UserError(f"--no-suffix-pool: --drafter {args.drafter} keeps no pool (suffix, X+suffix do)")
+        if args.suffix_pool_tokens:
+            raise common.UserError("--no-suffix-pool or --suffix-pool-tokens N, not both")
+        args.suffix_pool_tokens = 0
     engine = common.load_engine(args)
     auth = "an API key required" if api_key else "no API key"
     print(

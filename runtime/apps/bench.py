@@ -28,6 +28,7 @@ from tqdm import tqdm
 from headstart.runtime.adapters import adapter_sha
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import heads_adapter, option_names, parse_spec
+from headstart.runtime.drafters.suffix import pool_of
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.prompts import load_prompts
@@ -218,8 +219,7 @@ def run_bench(
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection
         run_method(engines.get(method, engine), method, drafters, encoded[0], SamplingParams(), 16, seed)
     for drafter in drafters.values():  # what the warm-up wrote leaves the suffix pools: each starts empty
-        pool = getattr(getattr(drafter, "lookup", drafter), "pool", None)
-        if pool is not None:
+        if (pool := pool_of(drafter)) is not None:
             pool.clear()
     records: list[Record] = []
     jobs = [(t, i) for t in temperatures for i in range(len(prompts))]

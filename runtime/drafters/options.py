@@ -43,14 +43,15 @@ class SuffixOptions(LookupOptions):
     min_match: int = 5  # the pool's branches are drafted when its longest match has at least this many tokens
     max_matches: int = 16  # the longest matches counted (the most recent among equals)
     scan: int = 64  # the most recent occurrences of the last 3 tokens looked at
-    pool_tokens: int = 262_144  # the pool's size (the oldest requests leave first; docs/serving.md: measured)
+    pool_tokens: int = 262_144  # the pool's size (the oldest requests leave first; docs/serving.md: measured); 0: none
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _at_least_one(max_match=self.max_match, max_matches=self.max_matches, scan=self.scan)
         if self.min_match > self.max_match:
             raise ValueError(f"need min_match <= max_match, got {self.min_match}, {self.max_match}")
-        _at_least_one(pool_tokens=self.pool_tokens)
+        if self.pool_tokens < 0:
+            raise ValueError(f"pool_tokens must be >= 0 (0: no pool), got {self.pool_tokens}")
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,14 @@ grafts them onto X's tree (`graft.LookupGraft`). Exact as every drafter: the poo
 before this round, so a tree never depends on this round's draws (`accept_path` is exact for any proposal that
 does not). The pool is one tenant's: a request can learn from how fast it is answered what others asked (a
 timing side channel), so a server shared by parties who must not see each other's traffic runs
-`--no-suffix-pool` (docs/serving.md).
+`--no-suffix-pool` (docs/serving.md): `pool_tokens` 0, no pool, the request's own lookup alone. A server's
+/metrics shows the pool's size, hit rate and lookup cost (`SuffixPool.stats`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from collections import deque
 from typing import NamedTuple
@@ -30,6 +32,7 @@ from headstart.runtime.drafters.options import SuffixOptions
 
 NGRAM = 3  # tokens a window of the index holds: a match is at least this long
 SEP = -1  # between requests in the pool's buffer: no match extends across it
+RECENT = 1024  # lookups whose durations the pool keeps (its lookup cost's p95)
 
 
 class Continuations(NamedTuple):
@@ -57,6 +60,9 @@ class SuffixPool:
         self.entries = 0  # positions in the index, those of dropped requests included until they go
         self.lock = threading.Lock()
         self.requests = 0  # held or not, every one added
+        self.lookups, self.hits = 0, 0  # lookups; those that found a match of `min_match` tokens or more
+        self.lookup_s = 0.0  # seconds of every lookup
+        self.recent: deque[float] = deque(maxlen=RECENT)  # seconds of the last RECENT lookups
 
     def __len__(self) -> int:
         return len(self.buf) - len(self.starts)
@@ -66,7 +72,8 @@ class SuffixPool:
         with self.lock:
             self.base += len(self.buf)
             self.buf, self.starts, self.index, self.entries = array("q"), deque(), {}, 0
-            self.requests = 0
+            self.requests, self.lookups, self.hits, self.lookup_s = 0, 0, 0, 0.0
+            self.recent.clear()
 
     def add(self, tokens: list[int]) -> None:
         """Hold a finished request's tokens (its prompt and output): index it, drop the oldest past the cap."""
@@ -102,14 +109,22 @@ class SuffixPool:
                 self._index(self.buf[start - self.base : i], start)
 
     def lookup(self, context: list[int], options: SuffixOptions) -> Continuations:
-        """The continuations of the context's last tokens in the pool (module docstring)."""
-        none = Continuations([], [], 0, 0)
-        if len(context) < NGRAM:
-            return none
+        """The continuations of the context's last tokens in the pool (module docstring); counted in `stats`."""
+        t0 = time.perf_counter()
+        found = self._lookup(context, options) if len(context) >= NGRAM else Continuations([], [], 0, 0)
+        seconds = time.perf_counter() - t0
+        with self.lock:
+            self.lookups += 1
+            self.hits += found.longest >= options.min_match
+            self.lookup_s += seconds
+            self.recent.append(seconds)
+        return found
+
+    def _lookup(self, context: list[int], options: SuffixOptions) -> Continuations:
         with self.lock:
             found = self.index.get(_key(context, len(context)))
             if not found:
-                return none
+                return Continuations([], [], 0, 0)
             live = next((k for k, p in enumerate(found) if p - NGRAM > self.base), len(found))
             if live:  # entries of dropped requests (positions only grow: they come first)
                 del found[:live]
@@ -133,6 +148,22 @@ class SuffixPool:
         scored.sort(key=lambda s: -s[0])  # stable: the most recent first among equals
         kept = scored[: options.max_matches]
         return _top_nodes([f for _, f in kept], options.budget, kept[0][0] if kept else 0)
+
+    def stats(self) -> dict[str, float]:
+        """What /metrics shows: tokens and requests held, index entries, lookups, hits (a match of `min_match`
+        tokens or more: its branches drafted), lookup seconds in all and their p95 over the last RECENT."""
+        with self.lock:
+            recent = sorted(self.recent)
+            p95 = recent[min(int(0.95 * len(recent)), len(recent) - 1)] if recent else 0.0
+            return {
+                "tokens": len(self),
+                "requests": len(self.starts),
+                "index_entries": self.entries,
+                "lookups": self.lookups,
+                "hits": self.hits,
+                "lookup_seconds": self.lookup_s,
+                "lookup_seconds_p95": p95,
+            }
 
 
 def _key(tokens, end: int) -> int:
@@ -159,13 +190,15 @@ def _top_nodes(follows: list[list[int]], budget: int, longest: int) -> Continuat
 
 class SuffixDrafter(LookupDrafter):
     """Prompt lookup in the request, then the pool's continuations (module docstring); the pool is shared by every
-    fork (one per server), and every finished request's tokens enter it (`finish`)."""
+    fork (one per server), and every finished request's tokens enter it (`finish`). `pool_tokens` 0: no pool."""
 
     name = "suffix"
 
     def __init__(self, options: SuffixOptions | None = None, pool: SuffixPool | None = None) -> None:
         super().__init__(options or SuffixOptions())
-        self.pool = pool if pool is not None else SuffixPool(self.options.pool_tokens)
+        if pool is None and self.options.pool_tokens:
+            pool = SuffixPool(self.options.pool_tokens)
+        self.pool = pool
 
     def find_branches(self, context: list[int]) -> list[list[int]]:
         """The request's own lookup branches and the pool's, taken in turn (the graft's budget cuts the last ones:
@@ -173,6 +206,8 @@ class SuffixDrafter(LookupDrafter):
         request copying its own transcript; in turn 7.8), the pool's none when its longest match is shorter than
         `min_match` (three tokens in common with an unrelated request say little)."""
         own = super().find_branches(context)
+        if self.pool is None:
+            return own
         pooled = self.pool.lookup(context, self.options)
         if pooled.longest < self.options.min_match:
             return own
@@ -181,4 +216,15 @@ class SuffixDrafter(LookupDrafter):
         return mixed + own[len(mixed) // 2 :] + fresh[len(mixed) // 2 :]
 
     def finish(self, context: list[int]) -> None:
-        self.pool.add(context)
+        if self.pool is not None:
+            self.pool.add(context)
+
+
+def pool_of(drafter) -> SuffixPool | None:
+    """The suffix pool a drafter drafts from, through the wrappers around it (a graft's branches, a budget's or a
+    gate's inner drafter); None if it has none."""
+    while drafter is not None:
+        if isinstance(drafter, SuffixDrafter):
+            return drafter.pool
+        drafter = getattr(drafter, "lookup", None) or getattr(drafter, "inner", None)
+    return None

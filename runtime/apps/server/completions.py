@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from headstart.runtime.apps.server.metrics import ServerMetrics, path_label
 from headstart.runtime.apps.server.schema import APIError, choice, clip, completion_id, now, usage
 from headstart.runtime.apps.server.worker import Job, QueueFullError, Worker, WorkerDeadError
+from headstart.runtime.drafters.suffix import pool_of
 from headstart.runtime.engine import Engine
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tokens import chat_ids
@@ -45,7 +46,7 @@ class Completions:
 
     def __init__(self, engine: Engine, config: ServeConfig) -> None:
         self.engine, self.config = engine, config
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(pool_of(engine.drafter))
         self.worker = Worker(
             engine,
             self.metrics,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from headstart.runtime.drafters.suffix import SuffixPool
 from headstart.runtime.generate import GenerationStats
 
 # The label of every path the server routes; any other path (a scanner's, a typo) counts as "other", so the
@@ -15,11 +17,43 @@ def path_label(path: str) -> str:
     return path if path in ROUTES else "other"
 
 
+# The suffix pool's figures on /metrics (`SuffixPool.stats` keys), as headstart_suffix_pool_KEY: gauges, counters.
+POOL_GAUGES = (
+    ("tokens", "tokens of finished requests held"),
+    ("requests", "finished requests held"),
+    ("index_entries", "n-gram windows indexed"),
+    ("lookup_seconds_p95", "p95 of the last 1024 lookups' seconds"),
+)
+POOL_COUNTERS = (
+    ("lookups", "lookups"),
+    ("hits", "lookups whose match was long enough to draft from"),
+    ("lookup_seconds", "seconds of every lookup"),
+)
+
+
+class PoolCollector:
+    """The suffix pool's figures, read when /metrics is scraped."""
+
+    def __init__(self, pool: SuffixPool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        stats = self.pool.stats()
+        for key, text in POOL_GAUGES:
+            yield GaugeMetricFamily(f"headstart_suffix_pool_{key}", text, value=stats[key])
+        for key, text in POOL_COUNTERS:
+            yield CounterMetricFamily(f"headstart_suffix_pool_{key}", text, value=stats[key])
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    """`pool`: the drafter's suffix pool, shown as headstart_suffix_pool_* (None: the drafter has none)."""
+
+    def __init__(self, pool: SuffixPool | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+        if pool is not None:
+            r.register(PoolCollector(pool))
         self.requests = Counter(
             "headstart_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
