@@ -92,6 +92,16 @@ class BatchCost:
             return 0.0
         return (cost_at(self.rows, sequences * (width + 1)) - cost_at(self.rows, sequences)) / (sequences * width)
 
+    def least_node_ms(self, sequences: int) -> float:
+        """What a node costs at least, at any width (`node_ms`: the row curve's average slope from `sequences` rows
+        on, so never below its least slope there; the last slope runs on past the end); padded, 0."""
+        if not self.packed:
+            return 0.0
+        points = list(self.rows.items())
+        slopes = [(c1 - c0) / (r1 - r0) for (r0, c0), (r1, c1) in itertools.pairwise(points) if r1 > sequences]
+        (r0, c0), (r1, c1) = points[-2], points[-1]
+        return min(slopes or [(c1 - c0) / (r1 - r0)])
+
 
 def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
     """The model from (sequences, width, cached tokens, ms) points, by least squares with no term negative: rows(R)

@@ -155,8 +155,9 @@ class Batch:
 
     `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
     bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
-    `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts and the
-    seconds spent aside since the last plan (this round's prefill, the last round's drafting)
+    `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts, the
+    seconds spent aside since the last plan (this round's prefill, the last round's drafting) and the joiners
+    waiting for a prefill
     (`runtime/budget.Planner`; None: each drafter drafts what it drafts)."""
 
     def __init__(
@@ -165,7 +166,7 @@ class Batch:
         prefill_chunk: int | None = None,
         kv_budget: int | None = None,
         prefix: SharedPrefix | None = None,
-        planner: Callable[[list[Drafter], list[list[int]], float], object] | None = None,
+        planner: Callable[[list[Drafter], list[list[int]], float, int], object] | None = None,
     ) -> None:
         self.target, self.kv_budget, self.prefix, self.planner = target, kv_budget, prefix, planner
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
@@ -210,7 +211,8 @@ class Batch:
             return []
         target, phases = self.target, Phases()
         if self.planner is not None:  # the joiners' prefill and the drafting, as measured: apart from the round's rest
-            self.planner([r.drafter for r in live], [r.context for r in live], prefill_s + self._drafted_s)
+            waiting = min(len(self.joining), self.target.slots - len(live))  # joiners with a slot, not yet decoding
+            self.planner([r.drafter for r in live], [r.context for r in live], prefill_s + self._drafted_s, waiting)
         trees = propose_all([r.drafter for r in live], [r.context for r in live])  # heads' forwards batched
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()

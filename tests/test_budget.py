@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from headstart.runtime.batch_cost import BatchCost, fit_batch_cost, measure_batch_cost
-from headstart.runtime.budget import Offer, Planner, allocate, expected_rate, plan_ms
+from headstart.runtime.budget import Offer, Planner, Price, allocate, expected_rate, plain_rate, plan_ms
 from headstart.runtime.drafters.budgeted import Budgeted
 from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.lookup import LookupDrafter
@@ -65,6 +65,35 @@ def test_the_allocation_is_the_brute_force_optimum(seed, packed):
     _, careful = allocate(offers, longest, cost, margin=0.2)  # speculates only for 20 % more than plain
     rate = expected_rate(careful, longest, cost)
     assert (not any(careful) and brute_force(offers, longest, cost) <= 1.2 * plain * (1 + 1e-9)) or rate > 1.2 * plain
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("seed", range(40))
+def test_offers_that_fail_the_price_are_never_taken(seed, packed):
+    """`Price` (the plain rate the plan must beat, times the least an offer costs at any width) bounds what every
+    offer a plan takes gains: the offers that fail it can be left out (a drafter asked at a price never builds
+    them) and the plan is the same, on row curves of uneven slopes, with margins, overheads and a tree's cost."""
+    rng = random.Random(seed)
+    rows, r = {1: rng.uniform(5, 40)}, 1
+    for _ in range(6):
+        rows[2 * r] = rows[r] + rng.choice([0.0, rng.uniform(0, 3)]) * r
+        r *= 2
+    cost = BatchCost(rows, rng.uniform(0, 0.01), rng.uniform(0, 1), packed=packed)
+    b, longest = rng.randint(1, 6), rng.randint(10, 600)
+    offers = []
+    for _ in range(b):
+        gain, own = 0.0, []
+        for k in range(1, rng.randint(0, 12) + 1):
+            gain += rng.uniform(0, 1) * 0.9**k
+            ms = rng.choice([0.0, rng.uniform(0, 15)])
+            own.append(Offer(k, gain, ms, heads=k, shared_ms=rng.choice([0.0, rng.uniform(0, ms)])))
+        offers.append(own)
+    margin, overhead, tree_ms = rng.uniform(0, 0.2), rng.uniform(0, 10), rng.choice([0.0, rng.uniform(0, 5)])
+    price = Price(plain_rate(b, longest, cost, margin, overhead), cost.least_node_ms(b), tree_ms)
+    assert all(price.node_ms <= cost.node_ms(b, w) + 1e-12 for w in range(1, 200))
+    whole = allocate(offers, longest, cost, margin, overhead, tree_ms)
+    kept = [[o for o in own if price.passes(o)] for own in offers]
+    assert allocate(kept, longest, cost, margin, overhead, tree_ms) == whole
 
 
 def test_packed_rows_let_one_sequence_speculate_where_padded_rows_cost_every_sequence():
@@ -138,7 +167,7 @@ def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_ow
         def __init__(self, gain: float) -> None:
             self.gain, self.plan = gain, "unset"
 
-        def offers(self, context):
+        def offers(self, context, price=None):
             return [Offer(1, self.gain, 0.0, heads=1)]
 
         def take(self, plan):
@@ -149,6 +178,33 @@ def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_ow
         drafters = [Fixed(0.1) for _ in range(b)]  # each sequence 1.1 tokens a round for the same forward
         Planner(cost)(drafters, [[1, 2, 3]] * b)
         assert all((d.plan is not None) == speculates for d in drafters), b
+
+
+def test_joiners_waiting_for_their_prefill_are_planned_as_if_decoding_beside():
+    """A round's ms delays the joiners waiting for a prefill (one a round while others decode) as much as the
+    sequences decoding, so the plan is the one for the batch with them in it, decoding plainly: on a steep curve one
+    sequence alone takes a tree, with 7 waiting it decodes plainly, as 8 decoding sequences of which 7 offer
+    nothing would; the round's measured share stays the decoding sequences' own."""
+    cost = BatchCost.linear(50.0, 4.5, 0.002)
+    offers = eagle_like(0.7, 16, 3.0)
+
+    class Fixed:
+        plan = None
+
+        def offers(self, context, price=None):
+            return offers
+
+        def take(self, plan):
+            self.plan = plan
+
+    alone = Fixed()
+    Planner(cost)([alone], [[1, 2, 3]])
+    assert alone.plan is not None and alone.plan.nodes > 1
+    waited = Fixed()
+    planner = Planner(cost)
+    planner([waited], [[1, 2, 3]], waiting=7)
+    assert waited.plan is None is allocate([offers] + [[]] * 7, 2, cost, cost.error(8))[1][0]
+    assert planner._last[2:] == (1, 0)  # what the round will be measured as: one sequence, no tree
 
 
 def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_speculating_apart():
@@ -167,7 +223,7 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
         def __init__(self) -> None:
             self.offered = offers
 
-        def offers(self, context):
+        def offers(self, context, price=None):
             return self.offered
 
         def take(self, plan):
@@ -220,7 +276,7 @@ def test_drafting_as_the_loop_measured_it_is_no_rounds_overhead():
     class Drafting:
         plan = None
 
-        def offers(self, context):
+        def offers(self, context, price=None):
             return [Offer(1, 0.9, 1.0, heads=1)]
 
         def take(self, plan):
@@ -324,7 +380,7 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
     eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
 
-    def eight(drafters, contexts, aside_s):
+    def eight(drafters, contexts, aside_s, waiting):
         for d, c in zip(drafters, contexts, strict=True):
             d.take(next(o for o in d.offers(c) if o.heads == 8 and not o.graft))
 
@@ -377,6 +433,31 @@ def test_a_requests_backlog_is_charged_to_its_heads_offers():
     drafter.propose([*prompt, 4, 4, 4])  # the prompt's 6 pairs and the stretch's 3 enter, then nothing waits
     assert drafter.heads.backlog == 0 and drafter.heads.cache.get_seq_length() == 9
     assert measure_catch_up(eagle, prompt, features, reps=1) >= 0.0
+
+
+def test_a_budgeted_drafter_at_a_price_offers_what_passes_and_searches_no_lookup_that_cannot(monkeypatch):
+    """At a price a Budgeted drafter offers exactly its offers that pass it; where no grafted offer could pass at
+    its best (its hit rate on one node), the prompt lookup is not searched (a busy batch plans every round)."""
+    from headstart.runtime.cost_curve import LiveSizer
+    from headstart.runtime.drafters.eagle import EagleDrafter
+    from helpers.exactness import random_heads, sampling_model
+
+    model = sampling_model()
+    accuracy = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
+    eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
+    eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, pair_ms=0.1)
+    drafter = Budgeted(LookupGraft(eagle)).fork()
+    prompt = [1, 5, 2, 7, 1, 5, 2]
+    drafter.start(prompt, Target(model).prefill(prompt[:-1], eagle.feature_layers))
+    searched = []
+    find = drafter.graft.lookup.find_branches
+    monkeypatch.setattr(drafter.graft.lookup, "find_branches", lambda c: searched.append(1) or find(c))
+    every = drafter.offers(prompt)
+    assert any(o.graft for o in every) and len(searched) == 1
+    for price in (Price(0.0, 0.0, 0.0), Price(0.05, 0.2, 0.5), Price(0.2, 1.0, 1.0)):
+        assert drafter.offers(prompt, price) == [o for o in every if price.passes(o)]
+    searched.clear()
+    assert drafter.offers([*prompt, 3], Price(10.0, 1.0, 1.0)) == [] and searched == []
 
 
 def test_sampling_sized_by_the_budget_follows_the_target():

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from headstart.runtime.budget import Offer
+from headstart.runtime.budget import Offer, Price
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.eagle import EagleDrafter
 from headstart.runtime.drafters.graft import LookupGraft
@@ -98,9 +98,10 @@ class Budgeted(Drafter):
             j -= 1
         self.factor = GRID[j]
 
-    def offers(self, context: list[int]) -> list[Offer]:
+    def offers(self, context: list[int], price: Price | None = None) -> list[Offer]:
         """The trees this sequence can draft this round, each with its nodes, expected accepted nodes and drafting
-        ms (module docstring)."""
+        ms (module docstring). At a `price`, those that pass it (no plan takes the rest); where no grafted offer
+        could, each at its best (the graft's hit rate on one node), the lookup is not searched."""
         own = self._curve()
         heads = self.heads
         if own and heads.backlog:  # the pairs its head must enter before it drafts: paid by the round that drafts
@@ -111,19 +112,25 @@ class Budgeted(Drafter):
             n = max(round((OTHER_PRIOR[0] + nodes) / (1 + rounds)), 1)
             own = [Offer(n, (OTHER_PRIOR[1] + accepted) / (1 + rounds), 1e3 * seconds / max(rounds, 1), heads=n)]
         graft = self.graft
-        if graft is None:
-            return own
+        if graft is not None:
+            rounds, accepted = self.graft_seen
+            traffic = (GRAFT_PRIOR + self.traffic[1]) / (1 + self.traffic[0])
+            hit = (traffic + accepted) / (1 + rounds)
+            if price is None or _graft_may_pass(own, hit, price):
+                own = own + self._grafted(own, hit, context)
+        return own if price is None else [o for o in own if price.passes(o)]
+
+    def _grafted(self, own: list[Offer], hit: float, context: list[int]) -> list[Offer]:
+        """The lookup branches found now: alone, and onto each of `own`, worth `hit` accepted nodes a round."""
+        graft = self.graft
+        assert graft is not None
         if self._branches[0] != len(context):
             self._branches = (len(context), graft.lookup.find_branches(context))
         found = len(build_trie(self._branches[1], graft.budget))
         if not found:
-            return own
-        rounds, accepted = self.graft_seen
-        traffic = (GRAFT_PRIOR + self.traffic[1]) / (1 + self.traffic[0])
-        hit = (traffic + accepted) / (1 + rounds)
+            return []
         grafted = [Offer(found, min(hit, found), 0.0, graft=True)]
-        grafted += [o._replace(nodes=o.nodes + found, gain=o.gain + hit, graft=True) for o in own]
-        return own + grafted
+        return grafted + [o._replace(nodes=o.nodes + found, gain=o.gain + hit, graft=True) for o in own]
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
@@ -169,3 +176,12 @@ class Budgeted(Drafter):
                     seen[0] += 1
                     seen[1] += len(path) - ours
         self.inner.observe(tree, path, hidden, next_token)
+
+
+def _graft_may_pass(own: list[Offer], hit: float, price: Price) -> bool:
+    """Whether a grafted offer could pass `price`: alone or onto one of `own`, at its best (one node, `hit` of it
+    accepted; `Price.passes` for Offer(1, hit) and each o + it, without building them)."""
+    rate, node_ms, tree_ms = price
+    if hit > rate * (tree_ms + node_ms):
+        return True
+    return any(o.gain + hit > rate * (o.draft_ms - o.shared_ms + tree_ms + node_ms * (o.nodes + 1)) for o in own)
