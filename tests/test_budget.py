@@ -401,13 +401,11 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     assert all(o.gain < traffic[o.nodes] for o in bad.offers([1, 2]))
 
 
-def test_a_requests_backlog_is_charged_to_its_heads_offers():
-    """Pairs waiting for the head are entered before it drafts: a plain stretch's are charged to each heads' offer at
-    the sizer's ms a pair, a graft alone (no head forward) is not; the prompt's wait uncharged and a request that
-    never drafts never runs the head over them; measured on the drafter, a pair costs >= 0."""
+def started_eagle_lookup():
+    """A Budgeted EAGLE+lookup fork on random heads with a live sizer (0.1 ms a pair of backlog), started on a
+    prompt: (the EAGLE drafter, the fork, the prompt, the prompt's features)."""
     from headstart.runtime.cost_curve import LiveSizer
     from headstart.runtime.drafters.eagle import EagleDrafter
-    from headstart.runtime.drafters.together import measure_catch_up
     from helpers.exactness import random_heads, sampling_model
 
     model = sampling_model()
@@ -416,9 +414,18 @@ def test_a_requests_backlog_is_charged_to_its_heads_offers():
     eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, pair_ms=0.1)
     drafter = Budgeted(LookupGraft(eagle)).fork()
     prompt = [1, 5, 2, 7, 1, 5, 2]
-    target = Target(model)
-    features = target.prefill(prompt[:-1], eagle.feature_layers)
-    drafter.start(prompt, features)  # the prompt's pairs wait for the first drafting, uncharged
+    features = Target(model).prefill(prompt[:-1], eagle.feature_layers)
+    drafter.start(prompt, features)
+    return eagle, drafter, prompt, features
+
+
+def test_a_requests_backlog_is_charged_to_its_heads_offers():
+    """Pairs waiting for the head are entered before it drafts: a plain stretch's are charged to each heads' offer at
+    the sizer's ms a pair, a graft alone (no head forward) is not; the prompt's wait uncharged and a request that
+    never drafts never runs the head over them; measured on the drafter, a pair costs >= 0."""
+    from headstart.runtime.drafters.together import measure_catch_up
+
+    eagle, drafter, prompt, features = started_eagle_lookup()  # the prompt's pairs wait, uncharged
     assert drafter.heads.backlog == 0 and drafter.heads.cache.get_seq_length() == 0
     before = {(o.nodes, o.graft): o.draft_ms for o in drafter.offers(prompt)}
     for _ in range(3):  # three plain rounds: their pairs wait for the next drafting
@@ -438,17 +445,7 @@ def test_a_requests_backlog_is_charged_to_its_heads_offers():
 def test_a_budgeted_drafter_at_a_price_offers_what_passes_and_searches_no_lookup_that_cannot(monkeypatch):
     """At a price a Budgeted drafter offers exactly its offers that pass it; where no grafted offer could pass at
     its best (its hit rate on one node), the prompt lookup is not searched (a busy batch plans every round)."""
-    from headstart.runtime.cost_curve import LiveSizer
-    from headstart.runtime.drafters.eagle import EagleDrafter
-    from helpers.exactness import random_heads, sampling_model
-
-    model = sampling_model()
-    accuracy = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
-    eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
-    eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, pair_ms=0.1)
-    drafter = Budgeted(LookupGraft(eagle)).fork()
-    prompt = [1, 5, 2, 7, 1, 5, 2]
-    drafter.start(prompt, Target(model).prefill(prompt[:-1], eagle.feature_layers))
+    _, drafter, prompt, _ = started_eagle_lookup()
     searched = []
     find = drafter.graft.lookup.find_branches
     monkeypatch.setattr(drafter.graft.lookup, "find_branches", lambda c: searched.append(1) or find(c))
