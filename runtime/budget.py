@@ -62,7 +62,11 @@ class Price(NamedTuple):
     tree_ms: float
 
     def passes(self, o: Offer) -> bool:
-        return o.gain > self.rate * (o.draft_ms - o.shared_ms + self.tree_ms + self.node_ms * o.nodes)
+        return self.beaten(o.gain, o.draft_ms - o.shared_ms, o.nodes)
+
+    def beaten(self, gain: float, own_ms: float, nodes: int) -> bool:
+        """Whether `gain` accepted nodes for `own_ms` of drafting (beyond the shared part) and `nodes` pass."""
+        return gain > self.rate * (own_ms + self.tree_ms + self.node_ms * nodes)
 
 
 def plain_rate(b: int, longest: int, cost: BatchCost, margin: float = 0.0, overhead_ms: float = 0.0) -> float:

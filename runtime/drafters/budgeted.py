@@ -180,8 +180,7 @@ class Budgeted(Drafter):
 
 def _graft_may_pass(own: list[Offer], hit: float, price: Price) -> bool:
     """Whether a grafted offer could pass `price`: alone or onto one of `own`, at its best (one node, `hit` of it
-    accepted; `Price.passes` for Offer(1, hit) and each o + it, without building them)."""
-    rate, node_ms, tree_ms = price
-    if hit > rate * (tree_ms + node_ms):
-        return True
-    return any(o.gain + hit > rate * (o.draft_ms - o.shared_ms + tree_ms + node_ms * (o.nodes + 1)) for o in own)
+    accepted), without building them."""
+    return price.beaten(hit, 0.0, 1) or any(
+        price.beaten(o.gain + hit, o.draft_ms - o.shared_ms, o.nodes + 1) for o in own
+    )
