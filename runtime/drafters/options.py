@@ -40,7 +40,7 @@ class SuffixOptions(LookupOptions):
     """Prompt lookup, then the continuations of finished requests (`runtime/drafters/suffix.py`)."""
 
     max_match: int = 32  # a match is extended backwards up to this many tokens (longer ones rank first)
-    min_match: int = 5  # the pool's branches are drafted when its longest match has at least this many tokens
+    min_match: int = 3  # the pool's branches are drafted when its longest match has at least this many tokens
     max_matches: int = 16  # the longest matches counted (the most recent among equals)
     scan: int = 64  # the most recent occurrences of the last 3 tokens looked at
     pool_tokens: int = 262_144  # the pool's size (the oldest requests leave first; docs/serving.md: measured); 0: none
