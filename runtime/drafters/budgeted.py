@@ -117,13 +117,11 @@ class Budgeted(Drafter):
             traffic = (GRAFT_PRIOR + self.traffic[1]) / (1 + self.traffic[0])
             hit = (traffic + accepted) / (1 + rounds)
             if price is None or _graft_may_pass(own, hit, price):
-                own = own + self._grafted(own, hit, context)
+                own = own + self._grafted(graft, own, hit, context)
         return own if price is None else [o for o in own if price.passes(o)]
 
-    def _grafted(self, own: list[Offer], hit: float, context: list[int]) -> list[Offer]:
-        """The lookup branches found now: alone, and onto each of `own`, worth `hit` accepted nodes a round."""
-        graft = self.graft
-        assert graft is not None
+    def _grafted(self, graft: LookupGraft, own: list[Offer], hit: float, context: list[int]) -> list[Offer]:
+        """`graft`'s lookup branches found now: alone, and onto each of `own`, worth `hit` accepted nodes a round."""
         if self._branches[0] != len(context):
             self._branches = (len(context), graft.lookup.find_branches(context))
         found = len(build_trie(self._branches[1], graft.budget))
