@@ -96,21 +96,30 @@ class Packing:
     padded to the widest, (r, q): the linear layers (most of a forward's cost) see only real rows. Attention alone
     reads them padded, each sequence's rows against its own slot of the cache (`grouped_sdpa` unpacks the queries
     and packs its output back); a padding position reads its sequence's first row, and nothing reads its output.
-    Passed to the model's forward as the keyword `packing` (transformers hands its keywords to the attention
-    function)."""
+    After them may come prefill chunks (`chunks`, in the slots after the r sequences'): each attends alone, causal
+    over its own slot. Passed to the model's forward as the keyword `packing` (transformers hands its keywords to
+    the attention function)."""
 
     gather: torch.Tensor  # (r * q,) the packed row each padded position reads
     scatter: torch.Tensor  # (N,) the padded position (i * q + k) of each packed row
     r: int
     q: int
+    chunks: tuple[tuple[int, torch.Tensor], ...] = ()  # per prefill chunk: (its rows n, its mask (1, 1, n, past + n))
 
     @classmethod
-    def of(cls, sizes: list[int], device) -> Packing:
-        """Sequence i feeds `sizes[i]` rows (>= 1), in order."""
+    def of(
+        cls, sizes: list[int], device, chunks: list[tuple[int, int]] = (), dtype: torch.dtype = torch.float32
+    ) -> Packing:
+        """Sequence i feeds `sizes[i]` rows (>= 1), in order; then chunk j its `n` rows after `past` cached ones,
+        for `chunks[j] = (past, n)` (a float mask of `dtype` each)."""
         q, starts = max(sizes), list(itertools.accumulate(sizes[:-1], initial=0))
         gather = [start + min(k, n - 1) for start, n in zip(starts, sizes, strict=True) for k in range(q)]
         scatter = [i * q + k for i, n in enumerate(sizes) for k in range(n)]
-        return cls(torch.tensor(gather, device=device), torch.tensor(scatter, device=device), len(sizes), q)
+        causal = tuple(
+            (n, additive_mask(torch.ones(n, past + n, dtype=torch.bool).tril(past), dtype, device))
+            for past, n in chunks
+        )
+        return cls(torch.tensor(gather, device=device), torch.tensor(scatter, device=device), len(sizes), q, causal)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """Queries (1, H, N, D) -> (r, H, q, D)."""
@@ -148,9 +157,27 @@ def grouped_sdpa(
     (tests/test_fast_path.py)."""
     packing: Packing | None = kwargs.pop("packing", None)
     if packing is not None:  # rows of several sequences packed end to end: attend padded, one sequence a row
-        query = packing.unpack(query)
-        out, _ = grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-        return packing.pack(out), None
+        r, rows = packing.r, packing.scatter.numel()
+        trees = packing.unpack(query[:, :, :rows])
+        out, _ = grouped_sdpa(module, trees, key[:r], value[:r], attention_mask, dropout, scaling, is_causal, **kwargs)
+        outs = [packing.pack(out)]
+        for j, (n, mask) in enumerate(packing.chunks):  # a prefill chunk: its rows over its own slot's keys
+            k = mask.shape[-1]
+            chunk = query[:, :, rows : rows + n]
+            own, _ = grouped_sdpa(
+                module,
+                chunk,
+                key[r + j : r + j + 1, :, :k],
+                value[r + j : r + j + 1, :, :k],
+                mask,
+                dropout,
+                scaling,
+                is_causal,
+                **kwargs,
+            )
+            outs.append(own)
+            rows += n
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, q, D = query.shape  # (B, H, q, D) queries; key, value: (B, G, k, D) with G key/value heads

@@ -221,7 +221,12 @@ class Planner:
         return max(statistics.median((beyond - plain * n) / trees for beyond, n, trees in self.tree_rounds), 0.0)
 
     def __call__(
-        self, drafters: Sequence[Sized], contexts: Sequence[list[int]], aside_s: float = 0.0, waiting: int = 0
+        self,
+        drafters: Sequence[Sized],
+        contexts: Sequence[list[int]],
+        aside_s: float = 0.0,
+        waiting: int = 0,
+        sample: bool = True,
     ) -> list[Offer | None]:
         """Give each drafter its plan for the coming round; `aside_s`: seconds since the last plan the loop spent
         on other work than the round's forward and its own steps (the last round's drafting, joiners' prefill);
@@ -230,9 +235,10 @@ class Planner:
         plainly: a tree must beat the larger batch's plain rate. Planned for the decoding sequences alone, the
         first rounds of a burst of arrivals gave the few decoding ones big trees while the rest waited (bf16,
         16 clients: 0.93x plain over the level, its steady state 1.01x, the p95 time to first token 2.37 s
-        against 2.01)."""
+        against 2.01). `sample`: False where the time since the last plan is no sample of a round's cost (its
+        forward carried a joiner's prompt chunk, `generate.Batch` mixing)."""
         now, b = self.clock(), len(drafters)
-        if self._last is not None:
+        if self._last is not None and sample:
             then, modelled, sequences, trees = self._last
             beyond = 1e3 * (now - then - aside_s) - modelled
             if trees:

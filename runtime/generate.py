@@ -4,11 +4,12 @@ path per sequence, commit, stream.
 `Batch.round` is a round; batch 1 is a batch of one (`stream`). Sequences join and leave between rounds
 (continuous batching): a joiner's prompt is prefilled whole while nothing decodes, else in chunks of at most
 `prefill_chunk` tokens a round, so the running streams keep their pace (a short prompt, at most `WHOLE_PREFILL`
-chunks, takes one round). Each sequence has its own sampling
-parameters, random stream, drafter, limits and statistics; its tokens depend on its own draws only (at T = 0 its
-greedy tokens, at T > 0 the target's distribution: `runtime/accept.py`). Plain decoding is this loop with the
-base `Drafter` (empty trees): one forward per token. Every speedup headstart reports is measured against it;
-the engine, the server, the bench and distillation (`decode_all`) consume it.
+chunks, takes one round); the chunks ride in the round's forward where the target can (`Target.mixes_prefill`),
+the last one with the prompt's last token, whose logits give the joiner's first token in that round. Each sequence
+has its own sampling parameters, random stream, drafter, limits and statistics; its tokens depend on its own draws
+only (at T = 0 its greedy tokens, at T > 0 the target's distribution: `runtime/accept.py`). Plain decoding is this
+loop with the base `Drafter` (empty trees): one forward per token. Every speedup headstart reports is measured
+against it; the engine, the server, the bench and distillation (`decode_all`) consume it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from headstart.runtime.accept import accept_path
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.together import propose_all
 from headstart.runtime.sampling import Rng, SamplingParams
-from headstart.runtime.target import Target, features
+from headstart.runtime.target import Prefill, Target, Verified, features
 from headstart.runtime.tree import DraftTree
 
 # a round, in order (`stream`); layers + lm_head = the target forward (lm_head measured under `Target.timing_lm_head`)
@@ -112,7 +113,7 @@ class Request:
     context: list[int] = field(default_factory=list)  # prompt + new tokens; the last is the root
     done: bool = False
     slot: int = -1  # its row of the target's cache while it is in the batch
-    cached: int = 0  # prompt tokens prefilled so far (all but the last: ready)
+    cached: int = 0  # prompt tokens prefilled so far (ready at all but the last, or all where chunks ride in rounds)
     whole: bool = False  # short enough to be prefilled in one round while others decode
     features: list[torch.Tensor] = field(default_factory=list)  # the prompt's, chunk by chunk, for `drafter.start`
     rng: Rng | None = None
@@ -157,8 +158,10 @@ class Batch:
     bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
     `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts, the
     seconds spent aside since the last plan (this round's prefill, the last round's drafting) and the joiners
-    waiting for a prefill
-    (`runtime/budget.Planner`; None: each drafter drafts what it drafts)."""
+    waiting for a prefill, and whether the last round's time is a sample of a round's cost
+    (`runtime/budget.Planner`; None: each drafter drafts what it drafts). `mix`: while others decode, joiners'
+    prompt chunks ride in the round's forward (`Target.verify_batch`'s prefills; None: where the target can,
+    `Target.mixes_prefill`), else each chunk is a forward of its own before the round."""
 
     def __init__(
         self,
@@ -166,12 +169,15 @@ class Batch:
         prefill_chunk: int | None = None,
         kv_budget: int | None = None,
         prefix: SharedPrefix | None = None,
-        planner: Callable[[list[Drafter], list[list[int]], float, int], object] | None = None,
+        planner: Callable[[list[Drafter], list[list[int]], float, int, bool], object] | None = None,
+        mix: bool | None = None,
     ) -> None:
         self.target, self.kv_budget, self.prefix, self.planner = target, kv_budget, prefix, planner
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
+        self.mix = target.mixes_prefill if mix is None else mix
         self.decoding: list[Request] = []  # in slots 0, 1, ...
         self._drafted_s = 0.0  # the last round's propose phase (the planner's aside)
+        self._sample = True  # the last round's time is a sample of a round's cost (no prefill rode in its forward)
         self.joining: list[Request] = []  # waiting, the first one prefilling in the slot after the decoding ones
 
     def __len__(self) -> int:
@@ -201,7 +207,8 @@ class Batch:
 
     @torch.inference_mode()
     def round(self) -> list[tuple[Request, Chunk]]:
-        """Admit and prefill joiners, then one round for every decoding sequence: its new tokens."""
+        """Admit and prefill joiners, then one round for every decoding sequence: its new tokens (and those of a
+        joiner whose prompt's last chunk rode in the round)."""
         t0 = time.perf_counter()
         self._prefill()
         prefill_s = time.perf_counter() - t0
@@ -210,9 +217,13 @@ class Batch:
             self._drafted_s = 0.0
             return []
         target, phases = self.target, Phases()
+        staged = self._stage() if self.mix else []
         if self.planner is not None:  # the joiners' prefill and the drafting, as measured: apart from the round's rest
             waiting = min(len(self.joining), self.target.slots - len(live))  # joiners with a slot, not yet decoding
-            self.planner([r.drafter for r in live], [r.context for r in live], prefill_s + self._drafted_s, waiting)
+            self.planner(
+                [r.drafter for r in live], [r.context for r in live], prefill_s + self._drafted_s, waiting, self._sample
+            )
+        self._sample = not staged  # a round whose forward carries a prefill is no sample of a round's cost
         trees = propose_all([r.drafter for r in live], [r.context for r in live])  # heads' forwards batched
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()
@@ -220,8 +231,12 @@ class Batch:
         ]
         phases.lap("propose")
         self._drafted_s = phases.s["propose"]
-        layers = _feature_layers(live)
-        verified = target.verify_batch([r.context[-1] for r in live], trees, layers)
+        layers = _feature_layers(live + [r for r, _ in staged])
+        prefills = [
+            Prefill(r.slot, r.prompt_ids[r.cached : r.cached + n], r.cached + n == len(r.prompt_ids)) for r, n in staged
+        ]
+        verified = target.verify_batch([r.context[-1] for r in live], trees, layers, prefills)
+        verified, chunks = verified[: len(live)], verified[len(live) :]
         phases.lap("verify")
         accepted = [accept_path(t, v.logits, r.sampling, r.rng) for r, t, v in zip(live, trees, verified, strict=True)]
         phases.lap("accept")
@@ -233,10 +248,54 @@ class Batch:
         phases.lap("observe")
         split = _split_verify(phases.s, verified[0])  # the forward's mask and lm_head seconds are the batch's
         out = [(r, _emit(r, t, a, phases.s, split)) for r, t, a in zip(live, trees, accepted, strict=True)]
+        for (r, n), p, v in zip(staged, prefills, chunks, strict=True):
+            out += self._joined(r, n, p.last, v, layers, phases.s, split)
         for r, _ in out:
             if r.done:
                 self.remove(r)
         return out
+
+    def _stage(self) -> list[tuple[Request, int]]:
+        """Joiners whose prompt tokens ride in this round's forward (`Target.verify_batch`'s prefills), in order,
+        each taking the slot after the decoding and staged ones: (joiner, tokens). `prefill_chunk` tokens a round
+        in all, or one short prompt (<= WHOLE_PREFILL chunks) whole; a prompt's last chunk includes its last token,
+        the joiner's first root, so it leaves this round with its first token."""
+        staged: list[tuple[Request, int]] = []
+        budget = self.prefill_chunk
+        for r in self.joining:
+            if len(self.decoding) + len(staged) >= self.target.slots or not self._fits(r, [s for s, _ in staged]):
+                break
+            if r.slot < 0:
+                self._admit(r, len(self.decoding) + len(staged))
+                r.whole = len(r.prompt_ids) - 1 - r.cached <= WHOLE_PREFILL * self.prefill_chunk
+            todo = len(r.prompt_ids) - r.cached
+            take = todo if r.whole and budget == self.prefill_chunk else min(todo, budget)
+            staged.append((r, take))
+            budget -= take
+            if take < todo or budget <= 0:
+                break
+        return staged
+
+    def _joined(
+        self, r: Request, n: int, last: bool, v: Verified, layers: tuple[int, ...], phase: dict, split: dict
+    ) -> list[tuple[Request, Chunk]]:
+        """After a round that fed `n` of joiner `r`'s prompt tokens: their features kept; where they ended the
+        prompt, its drafter starts (the prompt's features but its root's), sees the root's round (a plain one: no
+        tree) and the joiner decodes from the next round with the first token drawn from the root's logits."""
+        own = _own(v.hidden, r.drafter, layers)  # (n, F) or None
+        r.cached += n
+        if not last:
+            r.features += [] if own is None else [own]
+            return []
+        r.features += [] if own is None or n == 1 else [own[:-1]]
+        self.joining.remove(r)
+        self._ready(r)
+        if r.max_new_tokens == 0:
+            r.done = True
+            return [(r, Chunk([], 0))]
+        a = accept_path(DraftTree(), v.logits, r.sampling, r.rng)
+        r.drafter.observe(DraftTree(), [], None if own is None else own[-1:], a.next_token)
+        return [(r, _emit(r, DraftTree(), a, phase, split))]
 
     def _prefill(self) -> None:
         """Admit joiners in order while a slot is free and the cache fits them. While nothing decodes, every joiner
@@ -262,6 +321,8 @@ class Batch:
                 if r.max_new_tokens == 0:
                     self.remove(r)
             return
+        if self.mix:
+            return  # the joiners' chunks ride in the round's forward (`_stage`)
         budget = self.prefill_chunk
         while self.joining and len(self.decoding) < self.target.slots and self._fits(self.joining[0]):
             r = self.joining[0]

@@ -111,12 +111,16 @@ class SlotCache(DynamicCache):
         self.sizes: list[int] = [0]
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def feed(self, first: int, starts: list[int], q: int, sizes: list[int] | None = None) -> None:
+    def feed(
+        self, first: int, starts: list[int], q: int, sizes: list[int] | None = None, kv_len: int | None = None
+    ) -> None:
         """The next forward feeds q tokens to each of slots first, first + 1, ..., written from rows `starts`; or,
-        given `sizes` (each at most q), sizes[i] tokens to slot first + i, packed end to end (`attention.Packing`)."""
+        given `sizes` (each at most q), sizes[i] tokens to slot first + i, packed end to end (`attention.Packing`).
+        Attention reads the fed slots' first `kv_len` rows (None: max(starts) + q)."""
         if first + len(starts) > self.slots:
             raise ValueError(f"slots {first}..{first + len(starts) - 1} fed, the cache has {self.slots}")
-        self.first, self.starts, self.kv_len, self._index = first, starts, max(starts) + q, None
+        self.first, self.starts, self._index = first, starts, None
+        self.kv_len = max(starts) + q if kv_len is None else kv_len
         self.sizes = [q] * len(starts) if sizes is None else sizes
         self.slots_used = max(self.slots_used, first + len(starts))
 

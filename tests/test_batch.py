@@ -75,12 +75,13 @@ def _model(family: str = "llama"):
     return model.eval().requires_grad_(False)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("fast,mix", [(False, False), (True, False), (True, True)], ids=["padded", "packed", "mixed"])
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_each_sequence_decodes_its_own_greedy_tokens_beside_others(family, fast):
+def test_each_sequence_decodes_its_own_greedy_tokens_beside_others(family, fast, mix):
+    """`mixed`: joiners' prompt chunks ride in the rounds' forwards (Mistral's sliding window keeps them apart)."""
     model = _model(family)
     target = Target(model, fast=fast, slots=4)
-    batch = Batch(target, prefill_chunk=3, prefix=SharedPrefix(PREFIX))
+    batch = Batch(target, prefill_chunk=3, prefix=SharedPrefix(PREFIX), mix=mix and target.mixes_prefill)
     guess = SecondGuess({tuple(PROMPTS[1]): _greedy(model, PROMPTS[1], NEW)}, vocab_size=64)
     requests = [
         Request(p, max_new_tokens=NEW - 3 * i, drafter=guess if i == 1 else Drafter()) for i, p in enumerate(PROMPTS)
@@ -224,3 +225,36 @@ def test_joiners_with_and_without_feature_drafters_prefill_together():
     batch.round()  # both prefilled in one forward, then a round
     alone = model(torch.tensor([PROMPTS[0][:-1]]), output_hidden_states=True).hidden_states[-1][0]
     torch.testing.assert_close(reader.prompt_hidden, alone)
+
+
+def test_a_joiners_prompt_rides_in_the_rounds_forward():
+    """While others decode, a joiner's prompt is fed in the round's own forward (one forward a round, no prefill of
+    its own): a long prompt `prefill_chunk` tokens a round, its last chunk with its last token, so it leaves that
+    round with its first token; a short one whole in one round. Their tokens are their own greedy ones."""
+    model = _model()
+    target = Target(model, slots=3)
+    forwards = []
+    forward, extend = target._forward, target.extend
+    target._forward = lambda ids, *a, **k: forwards.append(ids.shape[-1]) or forward(ids, *a, **k)
+    target.extend = lambda *a, **k: pytest.fail("a prefill forward of its own while others decode")
+    batch = Batch(target, prefill_chunk=4)
+    first = batch.add(Request(PROMPTS[0], max_new_tokens=30))
+    target.extend = lambda *a, **k: extend(*a, **k)  # alone: prefilled before its first round
+    ((_, opening),) = batch.round()
+    target.extend = lambda *a, **k: pytest.fail("a prefill forward of its own while others decode")
+    long, short = Request(PROMPTS[3] * 2, max_new_tokens=6), Request(PROMPTS[4], max_new_tokens=6)  # 46, 6 tokens
+    batch.add(long)
+    batch.add(short)
+    forwards.clear()
+    got = {id(first): opening.tokens, id(long): [], id(short): []}
+    while not short.stats.new_tokens:
+        for r, chunk in batch.round():
+            got[id(r)] += chunk.tokens
+    # 46 > 8 chunks: 4 tokens a round, the last 2 with its first token beside the short one's first 2, then its 4
+    assert forwards == [1 + 4] * 11 + [1 + 2 + 2, 2 + 4]
+    assert len(got[id(long)]) == 2 and len(got[id(short)]) == 1
+    while not all(r.done for r in (first, long, short)):
+        for r, chunk in batch.round():
+            got[id(r)] += chunk.tokens
+    for r in (first, long, short):
+        assert got[id(r)] == _greedy(model, r.prompt_ids, r.max_new_tokens)

@@ -380,7 +380,7 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
     eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
 
-    def eight(drafters, contexts, aside_s, waiting):
+    def eight(drafters, contexts, aside_s, waiting, sample):
         for d, c in zip(drafters, contexts, strict=True):
             d.take(next(o for o in d.offers(c) if o.heads == 8 and not o.graft))
 
