@@ -55,6 +55,14 @@ print(json.dumps({"tokens_per_s": made / (time.perf_counter() - t)}))
 """
 
 
+def child(env: dict) -> dict:
+    """The keywords every process this bench starts runs with: `env`, and a working folder outside the checkout. From
+    the checkout's root, `python -c` puts the folder first on sys.path and imports its `headstart/` (the working
+    tree) before PYTHONPATH's snapshot: every baseline measured so (`--baseline REV` in runs before 2026-12-05) was
+    the working tree itself."""
+    return {"env": env, "cwd": tempfile.gettempdir()}
+
+
 def snapshot(rev: str, tmp: Path) -> tuple[str, dict]:
     """headstart as commit `rev` has it, importable from a folder of its own: (the commit, an environment whose
     PYTHONPATH puts it before the editable install)."""
@@ -100,7 +108,7 @@ def load(server: Server, clients: str, args) -> list[dict]:
         run = [sys.executable, "-c", CLI, "loadtest", "--url", f"http://127.0.0.1:{server.port}", "--clients", clients]
         run += ["--max-tokens", str(args.max_tokens), "--requests-per-client", str(args.requests_per_client)]
         run += ["--prompts", args.prompts, "--out", str(out)]
-        subprocess.run(run, check=True, stdout=subprocess.DEVNULL, env=server.env)
+        subprocess.run(run, check=True, stdout=subprocess.DEVNULL, **child(server.env))
         return [{"server": server.label, **r} for r in json.loads(out.read_text())["levels"]]
 
 
@@ -118,7 +126,7 @@ def measure(servers: list[Server], args) -> list[dict]:
                 except httpx.HTTPError:
                     pass
                 log = open(Path(tmp) / f"server-{i}.log", "w")  # noqa: SIM115 (closed with the server, below)
-                proc = subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT, env=server.env)
+                proc = subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT, **child(server.env))
                 procs.append((proc, log))
                 wait_ready(f"http://127.0.0.1:{server.port}", proc)
             levels = sorted({int(c) for server in servers for c in server.clients.split(",")})
@@ -140,7 +148,9 @@ def library_rate(args, env: dict) -> float:
     """`Engine.generate`'s plain tok/s on the prompts the 1-client level sends, one after another."""
     texts = [json.loads(line)["turns"][0] for line in Path(args.prompts).read_text().splitlines()]
     given = json.dumps([texts[: args.requests_per_client], args.max_tokens, args.dtype])
-    out = subprocess.run([sys.executable, "-c", LIBRARY, given], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", LIBRARY, given], capture_output=True, text=True, check=True, **child(env)
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
