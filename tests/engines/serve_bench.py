@@ -225,10 +225,13 @@ def main() -> int:
     p.add_argument("--tree-budget", type=int, default=None, help="also eagle+lookup with this fixed tree")
     p.add_argument("--doc", default=None)
     args = p.parse_args()
+    if os.sep in args.vllm_python:  # a path: absolute (not resolved: a venv's python is a link), run elsewhere
+        args.vllm_python = str(Path(args.vllm_python).absolute())
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     if args.prompts is None:
         args.prompts = str(tmp / "heldout-chat.jsonl")
         write_heldout(Path(args.prompts))
+    args.prompts = str(Path(args.prompts).resolve())  # the processes run outside the checkout (`child`)
     commit, env = snapshot("HEAD", tmp)
     model = str(resolve_model_dir(NAME))
     vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name"]
