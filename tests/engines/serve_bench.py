@@ -102,13 +102,14 @@ class Server(NamedTuple):
 
 
 def load(server: Server, clients: str, args) -> list[dict]:
-    """`headstart loadtest` (the one `server.env` imports) against the running `server` at `clients`."""
+    """`headstart loadtest` (this bench's own: one client for every server, a baseline's included) against the
+    running `server` at `clients`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "load.json"
         run = [sys.executable, "-c", CLI, "loadtest", "--url", f"http://127.0.0.1:{server.port}", "--clients", clients]
         run += ["--max-tokens", str(args.max_tokens), "--requests-per-client", str(args.requests_per_client)]
         run += ["--prompts", args.prompts, "--out", str(out)]
-        subprocess.run(run, check=True, stdout=subprocess.DEVNULL, **child(server.env))
+        subprocess.run(run, check=True, stdout=subprocess.DEVNULL, **child(dict(os.environ)))
         return [{"server": server.label, **r} for r in json.loads(out.read_text())["levels"]]
 
 
@@ -265,6 +266,7 @@ def main() -> int:
         rows += measure(headstart, args)
         if not args.skip_vllm:
             rows += measure([Server("vLLM plain (after)", vllm, 8001, vllm_env, args.clients)], args)
+    (tmp / "rows.json").write_text(json.dumps({"library_tokens_per_s": library, "rows": rows}, indent=2))
     head = (
         f"{cpu_name()}, headstart {args.dtype} (vLLM float32), T = 0, {args.max_tokens} new tokens, "
         f"{args.requests_per_client} requests a client, prompts {Path(args.prompts).name}; "
@@ -272,7 +274,6 @@ def main() -> int:
     )
     text = f"{head}\n\n{table(rows)}"
     print(text)
-    (tmp / "rows.json").write_text(json.dumps({"library_tokens_per_s": library, "rows": rows}, indent=2))
     if args.doc:
         png = Path(args.doc).parent / f"serve-bench-{args.dtype}.png"
         chart(rows, png, f"{args.dtype}, T = 0, {args.max_tokens} tokens, {commit}")
