@@ -232,7 +232,7 @@ def test_a_joiners_prompt_rides_in_the_rounds_forward():
     its own): a long prompt `prefill_chunk` tokens a round, its last chunk with its last token, so it leaves that
     round with its first token; a short one whole in one round. Their tokens are their own greedy ones."""
     model = _model()
-    target = Target(model, slots=3)
+    target = Target(model, fast=True, slots=3)
     forwards = []
     forward, extend = target._forward, target.extend
     target._forward = lambda ids, *a, **k: forwards.append(ids.shape[-1]) or forward(ids, *a, **k)

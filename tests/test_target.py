@@ -82,7 +82,7 @@ def test_prefill_chunks_ride_in_a_round_like_their_own_forwards(trees):
     second chunk's last row (its prompt's root) are those of fresh forwards (float64); the slots' lengths grow by
     the rows fed, and the joiners then decode from the cache the chunks left."""
     model = tiny_llama(vocab_size=64, init_std=0.2).double()
-    target = Target(copy.deepcopy(model), slots=4)
+    target = Target(copy.deepcopy(model), fast=True, slots=4)
     assert target.mixes_prefill
     decoding = [PROMPT, [3, 1, 4, 1, 5, 9, 2, 6]]
     for slot, prompt in enumerate(decoding):
@@ -124,6 +124,6 @@ def test_prefills_need_the_fast_attention_and_the_slots_after():
     target = Target(tiny_llama(vocab_size=64), fast=False, slots=3)
     with pytest.raises(ValueError, match="fast path"):
         target.verify_batch([1, 2], [DraftTree()] * 2, (-1,), [Prefill(2, [4, 5], True)])
-    fast = Target(tiny_llama(vocab_size=64), slots=3)
+    fast = Target(tiny_llama(vocab_size=64), fast=True, slots=3)
     with pytest.raises(ValueError, match="slots after"):
         fast.verify_batch([1], [DraftTree()], (-1,), [Prefill(2, [4, 5], True)])
