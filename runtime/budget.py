@@ -178,8 +178,9 @@ class Planner:
     sequence's tokens. That share is measured as it runs: the time from one plan to the next less what the model
     says the first plan's forward costs and less what the loop says it spent on other work (`aside_s`: the last
     round's drafting, as measured, and the joiners' prefill before this plan). Rounds where no sequence speculated
-    give a plain sequence's share (per sequence, the median of the last OVERHEAD_ROUNDS such rounds; an idle wait
-    between two plans is an outlier the median ignores), paid by every plan; the others give what each sequence
+    give a plain sequence's share (per sequence, the median of the last OVERHEAD_ROUNDS such rounds at about the
+    batch size planned for, `overhead_ms`; an idle wait between two plans is an outlier the median ignores), paid
+    by every plan; the others give what each sequence
     that speculated cost beyond it (its tree's accepting, committing, the packing of uneven trees), paid by each
     sequence a plan gives a tree; until a plain round is seen the whole is every sequence's share (a request
     alone speculates every round: charged to its trees, plain looked cheap and its trees shrank, 1.51x plain at
@@ -196,29 +197,38 @@ class Planner:
 
     def __init__(self, cost: BatchCost, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cost, self.clock = cost, clock
-        self.overheads: deque[float] = deque(maxlen=self.OVERHEAD_ROUNDS)  # plain rounds: ms a sequence
+        self.overheads: deque[tuple[int, float]] = deque(maxlen=self.OVERHEAD_ROUNDS)  # plain rounds: (sequences, ms)
         # rounds with trees: (ms beyond the model, sequences, sequences given a tree)
         self.tree_rounds: deque[tuple[float, int, int]] = deque(maxlen=self.OVERHEAD_ROUNDS)
         # (when the last plan was made, the model's ms of its forward, sequences, sequences given a tree)
         self._last: tuple[float, float, int, int] | None = None
 
-    def overhead_ms(self) -> float:
-        """A sequence's share of a round beyond the model (ms): the median of the plain rounds seen; before any,
+    def overhead_ms(self, n: int) -> float:
+        """A sequence's share of a round beyond the model (ms) at `n` sequences: the median of the plain rounds seen
+        at about n (3/4 n to 3/2 n); with none there, the plain rounds' of the nearest batch size, their round's
+        ms over the larger of the two sizes (a share that errs low, so plain rounds come and teach the share at n:
+        a round's fixed part weighs most alone, and a share learnt at 1-4 sequences charged per sequence at 8 made
+        plain look dear there; the budget, speculating in 92 % of the request-rounds, met too few plain rounds to
+        learn better: served, float32, 8 clients after 1, 2 and 4; 4 % when 8 came first). Before any plain round,
         of every round's, speculating or not (alone, a request speculates every round: its whole overhead is then
         the share a plain step would pay too, or plain would look cheaper than it is); 0 before any round."""
         if self.overheads:
-            return max(statistics.median(self.overheads), 0.0)
+            near = [ms / s for s, ms in self.overheads if 4 * s >= 3 * n and 2 * s <= 3 * n]
+            if near:
+                return max(statistics.median(near), 0.0)
+            nearest = min(self.overheads, key=lambda o: abs(o[0] - n))[0]
+            return max(statistics.median(ms for s, ms in self.overheads if s == nearest) / max(nearest, n), 0.0)
         if self.tree_rounds:
-            return max(statistics.median(beyond / n for beyond, n, _ in self.tree_rounds), 0.0)
+            return max(statistics.median(beyond / s for beyond, s, _ in self.tree_rounds), 0.0)
         return 0.0
 
     def tree_ms(self) -> float:
-        """What a sequence that speculates costs a round beyond a plain one's share (ms): 0 until plain rounds
-        have told that share apart."""
+        """What a sequence that speculates costs a round beyond a plain one's share (ms) at that round's batch size:
+        0 until plain rounds have told that share apart."""
         if not self.overheads or not self.tree_rounds:
             return 0.0
-        plain = self.overhead_ms()
-        return max(statistics.median((beyond - plain * n) / trees for beyond, n, trees in self.tree_rounds), 0.0)
+        share = {s: self.overhead_ms(s) for s in {s for _, s, _ in self.tree_rounds}}
+        return max(statistics.median((beyond - share[s] * s) / trees for beyond, s, trees in self.tree_rounds), 0.0)
 
     def __call__(
         self,
@@ -244,10 +254,10 @@ class Planner:
             if trees:
                 self.tree_rounds.append((beyond, sequences, trees))
             else:
-                self.overheads.append(beyond / sequences)
+                self.overheads.append((sequences, beyond))
         longest = max(len(c) for c in contexts) - 1
         n = b + waiting
-        margin, overhead, tree_ms = self.cost.error(n), self.overhead_ms() * n, self.tree_ms()
+        margin, overhead, tree_ms = self.cost.error(n), self.overhead_ms(n) * n, self.tree_ms()
         price = Price(plain_rate(n, longest, self.cost, margin, overhead), self.cost.least_node_ms(n), tree_ms)
         offers = [d.offers(c, price) for d, c in zip(drafters, contexts, strict=True)] + [[]] * waiting
         picks = allocate(offers, longest, self.cost, margin, overhead, tree_ms)[1][:b]
