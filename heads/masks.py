@@ -13,6 +13,12 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.devic
     return mask[None, None] if mask.dim() == 2 else mask[:, None]
 
 
+def causal_after(past: int, n: int) -> torch.Tensor:
+    """(n, past + n) bool: n new rows after `past` cached keys, each seeing every cached key and the new ones up to
+    itself."""
+    return torch.ones(n, past + n, dtype=torch.bool).tril(past)
+
+
 def unroll_mask(T: int, step: int) -> torch.Tensor:
     """(T, step * T) bool: the keys that row s of unroll step `step` (1-based) attends to.
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headstart.heads.masks import additive_mask
+from headstart.heads.masks import additive_mask, causal_after
 
 MaskArg = torch.Tensor | dict[str, torch.Tensor]
 
@@ -115,10 +115,7 @@ class Packing:
         q, starts = max(sizes), list(itertools.accumulate(sizes[:-1], initial=0))
         gather = [start + min(k, n - 1) for start, n in zip(starts, sizes, strict=True) for k in range(q)]
         scatter = [i * q + k for i, n in enumerate(sizes) for k in range(n)]
-        causal = tuple(
-            (n, additive_mask(torch.ones(n, past + n, dtype=torch.bool).tril(past), dtype, device))
-            for past, n in chunks
-        )
+        causal = tuple((n, additive_mask(causal_after(past, n), dtype, device)) for past, n in chunks)
         return cls(torch.tensor(gather, device=device), torch.tensor(scatter, device=device), len(sizes), q, causal)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:

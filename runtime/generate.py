@@ -255,11 +255,12 @@ class Batch:
                 self.remove(r)
         return out
 
-    def _stage(self) -> list[tuple[Request, int]]:
-        """Joiners whose prompt tokens ride in this round's forward (`Target.verify_batch`'s prefills), in order,
-        each taking the slot after the decoding and staged ones: (joiner, tokens). `prefill_chunk` tokens a round
-        in all, or one short prompt (<= WHOLE_PREFILL chunks) whole; a prompt's last chunk includes its last token,
-        the joiner's first root, so it leaves this round with its first token."""
+    def _stage(self, root: bool = True) -> list[tuple[Request, int]]:
+        """Joiners whose prompt tokens are prefilled this round while others decode, in order, each taking the slot
+        after the decoding and staged ones: (joiner, tokens). `prefill_chunk` tokens a round in all, or one short
+        prompt (<= WHOLE_PREFILL chunks) whole. `root`: a prompt's last chunk includes its last token, the
+        joiner's first root (they ride in the round's forward: it leaves this round with its first token); else
+        they stop short of it (a forward of their own before the round)."""
         staged: list[tuple[Request, int]] = []
         budget = self.prefill_chunk
         for r in self.joining:
@@ -268,8 +269,8 @@ class Batch:
             if r.slot < 0:
                 self._admit(r, len(self.decoding) + len(staged))
                 r.whole = len(r.prompt_ids) - 1 - r.cached <= WHOLE_PREFILL * self.prefill_chunk
-            todo = len(r.prompt_ids) - r.cached
-            take = todo if r.whole and budget == self.prefill_chunk else min(todo, budget)
+            todo = len(r.prompt_ids) - r.cached - (not root)
+            take = todo if r.whole and budget == self.prefill_chunk else min(todo, budget)  # whole: alone this round
             staged.append((r, take))
             budget -= take
             if take < todo or budget <= 0:
@@ -299,9 +300,9 @@ class Batch:
 
     def _prefill(self) -> None:
         """Admit joiners in order while a slot is free and the cache fits them. While nothing decodes, every joiner
-        admitted is prefilled whole, prompts of similar lengths in one forward; else the first joiner prefills
-        `prefill_chunk` tokens this round, or its whole prompt if short (<= WHOLE_PREFILL chunks). A joiner
-        whose prompt is cached decodes."""
+        admitted is prefilled whole, prompts of similar lengths in one forward; else, unless the chunks ride in the
+        round (`mix`), `_stage`'s chunks are prefilled here, each in a forward of its own. A joiner whose prompt is
+        cached decodes."""
         if not self.decoding:
             admitted: list[Request] = []
             while self.joining and len(admitted) < self.target.slots and self._fits(self.joining[0], admitted):
@@ -323,26 +324,18 @@ class Batch:
             return
         if self.mix:
             return  # the joiners' chunks ride in the round's forward (`_stage`)
-        budget = self.prefill_chunk
-        while self.joining and len(self.decoding) < self.target.slots and self._fits(self.joining[0]):
-            r = self.joining[0]
-            if r.slot < 0:
-                self._admit(r, len(self.decoding))
-                r.whole = len(r.prompt_ids) - 1 - r.cached <= WHOLE_PREFILL * self.prefill_chunk
-            todo = len(r.prompt_ids) - 1 - r.cached
-            take = todo if r.whole and budget == self.prefill_chunk else min(todo, budget)  # whole: alone this round
+        staged = self._stage(root=False)
+        for r, take in staged:
             if take:
                 hidden = self.target.extend(r.prompt_ids[r.cached : r.cached + take], r.drafter.feature_layers, r.slot)
                 r.features += [] if hidden is None else [hidden]
                 r.cached += take
-            if r.cached < len(r.prompt_ids) - 1:
-                return  # the chunk budget is spent
-            self._ready(self.joining.pop(0))
-            if r.max_new_tokens == 0:
+            if r.cached == len(r.prompt_ids) - 1:
+                self.joining.remove(r)
+                self._ready(r)
+        for r, _ in staged:
+            if r.max_new_tokens == 0 and r in self.decoding:
                 self.remove(r)
-            budget -= take
-            if budget <= 0:
-                return
 
     def _admit(self, r: Request, slot: int) -> Request:
         """`r` takes `slot`, the shared prefix copied in."""

@@ -41,6 +41,7 @@ from transformers import DynamicCache
 
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
+from headstart.heads.masks import causal_after
 from headstart.runtime.attention import attend_with_grouped_sdpa
 from headstart.runtime.budget import Offer
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, scale_accuracy
@@ -199,7 +200,7 @@ class EagleDrafter(SamplingDrafter):
         """The head forward entering committed pairs (features (n, F), their next tokens) into its cache, causal
         over the new entries after the committed ones."""
         past, n = self._committed, len(tokens)
-        allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        allowed = causal_after(past, n)
         return self._step(features, tokens, torch.arange(past, past + n), allowed, read)
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
