@@ -214,12 +214,11 @@ class Engine:
         (`runtime/tokens.chat_ids`: what the messages say stays text)."""
         return chat_ids(self.tokenizer, messages)
 
-    def chat_prefix(self) -> SharedPrefix:
+    def chat_prefix(self) -> SharedPrefix | None:
         """The tokens every chat prompt starts with under the model's template (its system turn), to be cached once
-        (`generate.SharedPrefix`)."""
-        a, b = (self.encode_chat([{"role": "user", "content": text}]) for text in ("A", "Z"))
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        return SharedPrefix(a[:n])
+        (`generate.SharedPrefix`); None if there are none. Found where renders of different one-word messages part:
+        several, since two words can be one token to a tokenizer (unknown to a small vocabulary)."""
+        return SharedPrefix.common([self.encode_chat([{"role": "user", "content": t}]) for t in ("A", "Z", "the", "7")])
 
     def stream(
         self,

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from headstart.cli import main
+from headstart.runtime.apps.server.app import ServeConfig, build_app
 from helpers.server import NAME, LiveServer, leave_at_first_token, tiny_engine, wait_until
 
 PROMPTS = ["the cat sat on", "a dog ran far", "one two three", "red blue green and", "then it was good"]
@@ -598,3 +599,70 @@ def test_serve_decodes_with_the_shipped_eagle_head_unless_told(monkeypatch, tiny
     ):
         assert main(["serve", *argv]) == 2
     assert seen == ["eagle+lookup", "none", "none", "lookup"]
+
+
+def test_the_warm_up_caches_the_chat_prefix_and_leaves_no_trace(tiny_model_dir):
+    """`headstart serve` decodes one request of its own before it opens its port: afterwards the chat template's
+    shared prefix is cached, the drafters' pool holds nothing, and a request decodes in the
+    served batch to the very tokens `generate` gives."""
+    from headstart.runtime.drafters.suffix import pool_of
+    from headstart.runtime.generate import Request
+
+    engine = tiny_engine(tiny_model_dir, "suffix")
+    app = build_app(engine, ServeConfig(NAME, speculate_up_to=8), worker_thread=False)
+    worker = app.state.worker
+    prefix = worker.batch.prefix
+    assert prefix.ids == engine.encode(PROMPTS[0])[:2] and prefix.kv is None  # the tiny template's first two tokens
+    assert worker.warm_up(tokens=6) > 0
+    assert prefix.kv is not None
+    assert pool_of(engine.drafter).stats()["requests"] == 0
+    prompt = engine.encode(PROMPTS[1])
+    request = worker.batch.add(Request(prompt, worker.drafter.fork(), max_new_tokens=12))
+    made = []
+    while not request.done:
+        made += [t for r, chunk in worker.batch.round() for t in chunk.tokens]
+    assert made == engine.generate(prompt, max_new_tokens=12).token_ids
+
+
+def test_sigterm_only_sets_flags_so_a_server_always_stops(tiny_model_dir, tmp_path):
+    """SIGTERM's handler runs on the worker's thread, maybe inside the lock of the queue an idle worker waits on:
+    there it must take no lock (it did: `Worker.stop`'s put hung a server that never exited). Held lock, the
+    handler returns at once; a served process stops on SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from headstart.commands.serving import stop_on_signal
+
+    app = build_app(tiny_engine(tiny_model_dir), ServeConfig(NAME), worker_thread=False)
+    worker, server = app.state.worker, type("Server", (), {"should_exit": False})()
+    with worker.jobs.mutex:  # where the signal can land: inside the idle worker's queue.get
+        handler = threading.Thread(target=stop_on_signal(server, worker), daemon=True)
+        handler.start()
+        handler.join(timeout=5)
+        assert not handler.is_alive(), "the handler waited for the queue's lock"
+    assert worker.stopping and server.should_exit
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = "import sys; from headstart.cli import main; sys.exit(main())"
+    argv = ["serve", "--model", str(tiny_model_dir), "--drafter", "none", "--port", str(port)]
+    proc = subprocess.Popen([sys.executable, "-c", cli, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: _answers(f"http://127.0.0.1:{port}/health") or proc.poll() is not None, 120, "serving")
+        body = {"model": tiny_model_dir.name, "prompt": PROMPTS[0], "max_tokens": 4}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

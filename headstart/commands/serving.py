@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from headstart.commands import common
@@ -190,11 +191,12 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         app = build_app(engine, config, api_key, worker_thread=False)
     except ValueError as e:  # the KV budget cannot hold one full-length sequence
         raise common.UserError(f"{e}: raise --kv-cache-gb") from None
+    print(f"headstart: warmed up in {app.state.worker.warm_up():.1f} s", file=sys.stderr)
     # HTTP on a thread, decoding on this one (the thread that loaded the model: runtime/apps/server/worker.py says why)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     http = threading.Thread(target=server.run, name="headstart-http", daemon=True)
     http.start()
-    signal.signal(signal.SIGTERM, lambda *_: app.state.worker.stop())
+    signal.signal(signal.SIGTERM, stop_on_signal(server, app.state.worker))
     try:
         while not server.started and http.is_alive():
             time.sleep(0.05)
@@ -208,6 +210,19 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         server.should_exit = True
         http.join(timeout=10)
     return 0
+
+
+def stop_on_signal(server, worker) -> Callable[..., None]:
+    """SIGTERM's handler: it only sets flags. It runs on the worker's thread between two bytecodes, maybe inside the
+    lock of the queue an idle worker waits on, so taking a lock there can deadlock (seen: `Worker.stop`'s put hung
+    a server for good). The worker ends after its round; the HTTP server stops, and `_stop_with` wakes an idle
+    worker."""
+
+    def handler(*_) -> None:
+        worker.stopping = True
+        server.should_exit = True
+
+    return handler
 
 
 def _stop_with(http, worker) -> None:

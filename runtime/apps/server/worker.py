@@ -126,6 +126,21 @@ class Worker:
         self.stopping = False
         self.stopped = False  # the loop has ended (`serve` returns on the caller's thread, which lives on)
 
+    def warm_up(self, tokens: int = 16) -> float:
+        """Decode one short chat request before any client's, in a batch of its own: a process's first rounds pay
+        for its kernels' first calls and its allocator's first requests (a fresh server's first requests at one
+        client ran ~5 % under a warmed one's: docs/serving.md, "Start"), and the chat template's shared prefix is cached
+        here. The served batch's planner takes no sample of it and no drafter sees it (a pool learns nothing).
+        Returns its seconds."""
+        t = time.perf_counter()
+        engine, served = self.engine, self.batch
+        batch = Batch(engine.target, served.prefill_chunk, served.kv_budget, served.prefix)
+        prompt = engine.encode("Say hello to the world in one short sentence.")
+        request = batch.add(Request(prompt, max_new_tokens=tokens))  # no EOS: all `tokens` rounds
+        while not request.done:
+            batch.round()
+        return time.perf_counter() - t
+
     def start(self) -> None:
         """Decode on a thread of the worker's own (tests, apps that run the server on the main thread)."""
         self.thread.start()
