@@ -23,6 +23,7 @@ import torch
 from headstart.runtime.accept import accept_path
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.together import propose_all
+from headstart.runtime.prefix_cache import BLOCK, PrefixCache, restore
 from headstart.runtime.sampling import Rng, SamplingParams
 from headstart.runtime.target import Prefill, Target, Verified, features
 from headstart.runtime.tree import DraftTree
@@ -116,6 +117,7 @@ class Request:
     cached: int = 0  # prompt tokens prefilled so far (ready at all but the last, or all where chunks ride in rounds)
     whole: bool = False  # short enough to be prefilled in one round while others decode
     features: list[torch.Tensor] = field(default_factory=list)  # the prompt's, chunk by chunk, for `drafter.start`
+    prompt_features: torch.Tensor | None = None  # (prompt - 1, F) once started, kept for a prefix cache
     rng: Rng | None = None
     t_start: float = 0.0
 
@@ -156,6 +158,7 @@ class Batch:
 
     `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
     bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
+    `prefix_cache`: leavers' prompts kept, joiners' starts copied from it (`runtime/prefix_cache.py`; None: none);
     `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts, the
     seconds spent aside since the last plan (this round's prefill, the last round's drafting) and the joiners
     waiting for a prefill, and whether the last round's time is a sample of a round's cost
@@ -171,8 +174,10 @@ class Batch:
         prefix: SharedPrefix | None = None,
         planner: Callable[[list[Drafter], list[list[int]], float, int, bool], object] | None = None,
         mix: bool | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target, self.kv_budget, self.prefix, self.planner = target, kv_budget, prefix, planner
+        self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
         self.mix = target.mixes_prefill if mix is None else mix
         self.decoding: list[Request] = []  # in slots 0, 1, ...
@@ -197,6 +202,7 @@ class Batch:
         if request in self.joining:
             self.joining.remove(request)
         elif request in self.decoding:  # the last decoding sequence takes its slot: one cache moves
+            self._keep(request)
             i = self.decoding.index(request)
             self.decoding[i] = self.decoding[-1]
             self.decoding.pop()
@@ -347,6 +353,8 @@ class Batch:
         """`r`'s prompt is cached: its drafter starts, it decodes from the next round."""
         features = torch.cat(r.features) if r.features else None
         r.features = []
+        if self.prefix_cache is not None:
+            r.prompt_features = features
         r.drafter.start(r.prompt_ids, features, r.sampling, r.seed)
         r.stats.prefill_s = time.perf_counter() - r.t_start
         for name in PHASES:
@@ -354,10 +362,21 @@ class Batch:
         self.decoding.append(r)
 
     def _start_prefix(self, r: Request) -> None:
-        """Copy the shared prefix into `r`'s slot when its prompt starts with it (computed on first use)."""
+        """Copy the longest start of `r`'s prompt held into its slot: the prefix cache's blocks, or the shared
+        prefix (computed on first use) when its prompt starts with it. At least one prompt token is left to
+        compute, besides the last (the root)."""
         self.target.lengths[r.slot] = 0
-        p = self.prefix
-        if p is None or len(p.ids) >= len(r.prompt_ids) or r.prompt_ids[: len(p.ids)] != p.ids:
+        p, cache, layers = self.prefix, self.prefix_cache, r.drafter.feature_layers
+        shared = p is not None and len(p.ids) < len(r.prompt_ids) and r.prompt_ids[: len(p.ids)] == p.ids
+        if cache is not None and layers == cache.layers:
+            blocks = cache.match(r.prompt_ids, len(r.prompt_ids) - 2)
+            if blocks and (not shared or len(blocks) * BLOCK >= len(p.ids)):
+                kv, held = restore(blocks)
+                self.target.cache.restore(r.slot, kv)
+                r.cached = self.target.lengths[r.slot] = len(blocks) * BLOCK
+                r.features += [] if held is None else [held]
+                return
+        if not shared:
             return
         if p.kv is None:
             p.hidden = self.target.extend(p.ids, None, r.slot)  # (layers + 1, P, H)
@@ -366,9 +385,16 @@ class Batch:
             self.target.cache.restore(r.slot, p.kv)
             self.target.lengths[r.slot] = len(p.ids)
         r.cached = len(p.ids)
-        layers = r.drafter.feature_layers
         if layers:
             r.features.append(features(tuple(p.hidden[:, None]), layers)[0])
+
+    def _keep(self, r: Request) -> None:
+        """A leaver's prompt into the prefix cache: its slot holds the prompt's rows, `r` their features."""
+        cache = self.prefix_cache
+        if cache is None or r.drafter.feature_layers != cache.layers or (cache.layers and r.prompt_features is None):
+            return
+        ids = r.prompt_ids[:-1]  # positions with features: the root's came with its round
+        cache.keep(ids, lambda start, stop: self.target.cache.snapshot(r.slot, stop, start), r.prompt_features)
 
     def _fits(self, r: Request, admitted: Sequence[Request] = ()) -> bool:
         """The cache, grown for one more sequence of `r`'s length (beside the `admitted` ones), stays within

@@ -87,8 +87,8 @@ class SlotLayer(DynamicLayer):
             self._k[dst, :, :length] = self._k[src, :, :length]
             self._v[dst, :, :length] = self._v[src, :, :length]
 
-    def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._k[slot, :, :length].clone(), self._v[slot, :, :length].clone()
+    def snapshot(self, slot: int, stop: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k[slot, :, start:stop].clone(), self._v[slot, :, start:stop].clone()
 
     def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         k, v = kv  # (kv_heads, length, head_dim)
@@ -144,9 +144,9 @@ class SlotCache(DynamicCache):
         for layer in self.layers:
             layer.copy(src, dst, length)
 
-    def snapshot(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of slot `slot`'s first `length` rows in every layer (`restore` writes it into any slot)."""
-        return [layer.snapshot(slot, length) for layer in self.layers]
+    def snapshot(self, slot: int, stop: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of slot `slot`'s rows start..stop in every layer (`restore` writes rows from 0 into any slot)."""
+        return [layer.snapshot(slot, stop, start) for layer in self.layers]
 
     def restore(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.slots_used = max(self.slots_used, slot + 1)

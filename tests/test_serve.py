@@ -214,6 +214,7 @@ def test_serve_flag_errors_are_one_line(capsys):
         (["serve", "--port", "0"], "--port"),
         (["serve", "--max-queue", "0"], "--max-queue"),
         (["serve", "--time-limit", "-1"], "--time-limit"),
+        (["serve", "--prefix-cache-gb", "-1"], "--prefix-cache-gb"),
     ]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
@@ -666,3 +667,28 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_prompt_sent_again_starts_from_the_prefix_cache(tiny_model_dir):
+    """The server keeps finished prompts' blocks (32 tokens): the same long prompt again finds them (/metrics counts
+    prompt tokens looked up and found, as vLLM's prefix_cache_queries / _hits) and gets the same answer;
+    `--prefix-cache-gb 0` keeps none."""
+    prompt = " ".join(PROMPTS * 4)  # 80 tokens under the tiny template: two whole blocks
+    body = {"model": NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0}
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup"))
+    try:
+        first = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert live.metric("headstart_prefix_cache_hits_total") == 0
+        assert live.metric("headstart_prefix_cache_blocks") == 2
+        again = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+        assert live.metric("headstart_prefix_cache_hits_total") == 2 * 32
+        assert live.metric("headstart_prefix_cache_queries_total") == 2 * (80 - 2)  # all but each prompt's last two
+    finally:
+        live.close()
+    live = LiveServer(tiny_engine(tiny_model_dir, "lookup"), prefix_cache_gb=0)
+    try:
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).raise_for_status()
+        assert "headstart_prefix_cache" not in httpx.get(live.url + "/metrics").text
+    finally:
+        live.close()

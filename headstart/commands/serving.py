@@ -47,6 +47,12 @@ def add_parsers(sub) -> None:
         "--kv-cache-gb", type=float, default=None, help="KV cache budget; requests wait until they fit (default 4)"
     )
     sv.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=None,
+        help="finished prompts' keys and values kept for prompts that start the same way (default 1; 0: off)",
+    )
+    sv.add_argument(
         "--no-suffix-pool",
         action="store_true",
         help="X+suffix: keep no pool of finished requests (one request can time what others asked: docs/serving.md)",
@@ -144,7 +150,11 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
     for flag, value in limits:
         if value is not None and value <= 0:
             raise common.UserError(f"{flag} must be > 0, got {value}")
-    for flag, value in (("--step-aside-queue", args.step_aside_queue), ("--speculate-up-to", args.speculate_up_to)):
+    for flag, value in (
+        ("--step-aside-queue", args.step_aside_queue),
+        ("--speculate-up-to", args.speculate_up_to),
+        ("--prefix-cache-gb", args.prefix_cache_gb),
+    ):
         if value is not None and value < 0:
             raise common.UserError(f"{flag} must be >= 0, got {value}")
     options = {
@@ -154,6 +164,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         "min_acceptance": args.min_acceptance,
         "max_batch": args.max_batch,
         "kv_cache_gb": args.kv_cache_gb,
+        "prefix_cache_gb": args.prefix_cache_gb,
         "prefill_chunk": args.prefill_chunk,
         "speculate_up_to": args.speculate_up_to,
         "per_request_spec_decode_metrics": args.per_request_spec_decode_metrics,

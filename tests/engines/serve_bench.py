@@ -180,8 +180,8 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
 def table(rows: list[dict]) -> str:
     lines = [
         "| server | clients | tok/s | steady tok/s | p50 tok/s per request | p50 TTFT s | p95 TTFT s "
-        "| speculated | nodes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| speculated | nodes | prompt cached |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         spec = r.get("speculated_share", 0.0)  # a headstart server's sequence-rounds with a tree, and their nodes
@@ -189,6 +189,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['steady_tokens_per_s']:.1f} | "
             f"{r['p50_request_tokens_per_s']:.1f} | {r['p50_ttft_s']:.2f} | {r['p95_ttft_s']:.2f} | "
             + (f"{spec:.0%} | {r['nodes_per_speculating']:.1f} |" if spec else "– | – |")
+            + f" {r.get('prefix_cache_hit_share', 0.0):.0%} |"
         )
     return "\n".join(lines)
 

@@ -18,6 +18,7 @@ from headstart.runtime.apps.server.schema import APIError, choice, clip, complet
 from headstart.runtime.apps.server.worker import Job, QueueFullError, Worker, WorkerDeadError
 from headstart.runtime.drafters.suffix import pool_of
 from headstart.runtime.engine import Engine
+from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tokens import chat_ids
 
@@ -34,6 +35,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
     max_batch: int = 32  # requests decoded at once (continuous batching; chosen by measurement, docs/serving.md)
     kv_cache_gb: float = 4.0  # the KV cache's budget; a request waits until it fits
+    prefix_cache_gb: float = 1.0  # finished prompts' keys and values kept for prompts that start the same way; 0: off
     prefill_chunk: int | None = None  # prompt tokens prefilled a round while others decode (None: the loop's own)
     per_request_spec_decode_metrics: str = "none"  # "summary": each answer's `metrics.speculative_decoding` (vLLM's)
     speculate_up_to: int | None = (
@@ -46,7 +48,9 @@ class Completions:
 
     def __init__(self, engine: Engine, config: ServeConfig) -> None:
         self.engine, self.config = engine, config
-        self.metrics = ServerMetrics(pool_of(engine.drafter))
+        cache_bytes = int(config.prefix_cache_gb * 2**30)
+        prefix_cache = PrefixCache(cache_bytes, engine.drafter.feature_layers) if cache_bytes else None
+        self.metrics = ServerMetrics(pool_of(engine.drafter), prefix_cache)
         self.worker = Worker(
             engine,
             self.metrics,
@@ -58,6 +62,7 @@ class Completions:
             int(config.kv_cache_gb * 2**30),
             config.prefill_chunk,
             speculate_up_to=config.speculate_up_to,
+            prefix_cache=prefix_cache,
         )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the worker decodes with its own; a fast one is not shared
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="headstart-encode")

@@ -6,7 +6,8 @@ Each client sends `requests_per_client` chat requests one after another (streami
 over prompts from a JSONL file. Per level: p50/p95 latency, p50/p95 time to first token, total
 generated tokens/s over the level's wall time, the mean acceptance length the server reported, and from its
 /metrics (a headstart server's) the share of sequence-rounds that speculated and the tree nodes per speculating
-sequence-round: what the budget chose at that load.
+sequence-round: what the budget chose at that load; and the share of prompt tokens its prefix cache held (a
+headstart or vLLM server's: levels re-send earlier levels' prompts, so a prefix cache finds some).
 """
 
 from __future__ import annotations
@@ -89,21 +90,31 @@ def auth(api_key: str | None) -> dict[str, str] | None:
     return {"Authorization": f"Bearer {api_key}"} if api_key else None
 
 
-SPECULATION = {  # /metrics lines a headstart server counts its sequence-rounds and verified nodes under
-    "speculative": 'headstart_rounds_total{mode="speculative"}',
-    "plain": 'headstart_rounds_total{mode="plain"}',
-    "nodes": "headstart:spec_decode_num_draft_tokens_total",
+COUNTERS = {  # /metrics samples summed over their labels: a headstart server's sequence-rounds and verified nodes,
+    # and prompt tokens looked up in / found by the prefix cache (headstart's or vLLM's)
+    "speculative": ('headstart_rounds_total{mode="speculative"}',),
+    "plain": ('headstart_rounds_total{mode="plain"}',),
+    "nodes": ("headstart:spec_decode_num_draft_tokens_total",),
+    "cache_queries": ("headstart_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+    "cache_hits": ("headstart_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
 }
 
 
-def speculation_counts(url: str) -> dict[str, float]:
-    """SPECULATION's counters from the server's /metrics (0 for those it does not have: another engine)."""
+def server_counts(url: str) -> dict[str, float]:
+    """COUNTERS from the server's /metrics (0 for those it does not have)."""
     try:
         text = httpx.get(url + "/metrics", timeout=30).text
     except httpx.HTTPError:
-        return dict.fromkeys(SPECULATION, 0.0)
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {name: float(values.get(key, 0.0)) for name, key in SPECULATION.items()}
+        return dict.fromkeys(COUNTERS, 0.0)
+    sums = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        for name, keys in COUNTERS.items():
+            if key in keys or key.split("{")[0] in keys:
+                sums[name] += float(value)
+    return sums
 
 
 def run_level(
@@ -116,13 +127,13 @@ def run_level(
                 for i in range(per_client)
             ]
 
-    before = speculation_counts(url)
+    before = server_counts(url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         per_client = list(pool.map(client_job, range(clients)))
     wall = time.perf_counter() - t0
-    after = speculation_counts(url)
-    spec, plain, nodes = (after[k] - before[k] for k in ("speculative", "plain", "nodes"))
+    after = server_counts(url)
+    spec, plain, nodes, queries, hits = (after[k] - before[k] for k in COUNTERS)
     results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r["status"] == 200]
     lat, ttft = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]
@@ -143,6 +154,7 @@ def run_level(
         "acceptance_length": statistics.fmean(r["acceptance_length"] for r in ok) if ok else 0.0,
         "speculated_share": spec / (spec + plain) if spec + plain else 0.0,
         "nodes_per_speculating": nodes / spec if spec else 0.0,
+        "prefix_cache_hit_share": hits / queries if queries else 0.0,
     }
 
 
@@ -161,6 +173,7 @@ COLUMNS = [
     ("acceptance_length", "tau", "{:.2f}"),
     ("speculated_share", "speculated", "{:.0%}"),
     ("nodes_per_speculating", "nodes", "{:.1f}"),
+    ("prefix_cache_hit_share", "prompt cached", "{:.0%}"),
 ]
 
 

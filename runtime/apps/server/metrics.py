@@ -7,6 +7,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from headstart.runtime.drafters.suffix import SuffixPool
 from headstart.runtime.generate import GenerationStats
+from headstart.runtime.prefix_cache import PrefixCache
 
 # The label of every path the server routes; any other path (a scanner's, a typo) counts as "other", so the
 # label set, and /metrics with it, stays bounded whatever clients send.
@@ -45,15 +46,35 @@ class PoolCollector:
             yield CounterMetricFamily(f"headstart_suffix_pool_{key}", text, value=stats[key])
 
 
-class ServerMetrics:
-    """`pool`: the drafter's suffix pool, shown as headstart_suffix_pool_* (None: the drafter has none)."""
+class PrefixCacheCollector:
+    """The prefix cache's figures, read when /metrics is scraped; its queries and hits count prompt tokens, as
+    vLLM's prefix_cache_queries / prefix_cache_hits do."""
 
-    def __init__(self, pool: SuffixPool | None = None) -> None:
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        stats = self.cache.stats()
+        yield GaugeMetricFamily("headstart_prefix_cache_blocks", "blocks held", value=stats["blocks"])
+        yield GaugeMetricFamily("headstart_prefix_cache_bytes", "bytes held", value=stats["bytes"])
+        yield CounterMetricFamily(
+            "headstart_prefix_cache_queries", "prompt tokens looked up", value=stats["looked_up_tokens"]
+        )
+        yield CounterMetricFamily("headstart_prefix_cache_hits", "prompt tokens found", value=stats["hit_tokens"])
+
+
+class ServerMetrics:
+    """`pool`: the drafter's suffix pool, shown as headstart_suffix_pool_* (None: the drafter has none);
+    `prefix_cache`: shown as headstart_prefix_cache_* (None: none)."""
+
+    def __init__(self, pool: SuffixPool | None = None, prefix_cache: PrefixCache | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
         if pool is not None:
             r.register(PoolCollector(pool))
+        if prefix_cache is not None:
+            r.register(PrefixCacheCollector(prefix_cache))
         self.requests = Counter(
             "headstart_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )

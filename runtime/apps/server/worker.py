@@ -35,6 +35,7 @@ from headstart.runtime.drafters.gate import AcceptanceGate, GatedDrafter
 from headstart.runtime.engine import Engine, RequestText
 from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
 from headstart.runtime.models import cache_dir
+from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.sampling import SamplingParams
 
 
@@ -76,7 +77,8 @@ class Worker:
     `step_aside_queue`: the drafter proposes nothing while more requests than this wait (None: never);
     `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this;
     `speculate_up_to`: the jobs decoding at once up to which each drafts its tree (0: never). Without any of these
-    three switches every job's tree is sized each round by the budget (`runtime/budget.py`), measured at start."""
+    three switches every job's tree is sized each round by the budget (`runtime/budget.py`), measured at start.
+    `prefix_cache`: finished prompts' keys and values, copied into the jobs that start the same way (None: none)."""
 
     def __init__(
         self,
@@ -90,6 +92,7 @@ class Worker:
         kv_budget: int | None = None,
         prefill_chunk: int | None = None,
         speculate_up_to: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.engine, self.metrics, self.time_limit_s, self.max_queue = engine, metrics, time_limit_s, max_queue
         self.max_batch = max_batch
@@ -107,7 +110,8 @@ class Worker:
         switch = speculate_up_to is not None or step_aside_queue is not None or min_acceptance is not None
         budgeted = not switch and engine.drafter.name != "none"
         planner = Planner(batch_cost(engine.target, cache_dir() / "costs")) if budgeted else None
-        self.batch = Batch(engine.target, prefill_chunk, kv_budget, engine.chat_prefix(), planner)
+        prefix = engine.chat_prefix()
+        self.batch = Batch(engine.target, prefill_chunk, kv_budget, prefix, planner, prefix_cache=prefix_cache)
         self.running: list[Job] = []
         if budgeted:  # each job's tree sized every round by the budget (runtime/budget.py)
             self.drafter: Drafter = Budgeted(engine.drafter)
