@@ -216,8 +216,10 @@ class Engine:
 
     def chat_prefix(self) -> SharedPrefix | None:
         """The tokens every chat prompt starts with under the model's template (its system turn), to be cached once
-        (`generate.SharedPrefix`); None if there are none. Found where renders of different one-word messages part:
-        several, since two words can be one token to a tokenizer (unknown to a small vocabulary)."""
+        (`generate.SharedPrefix`); None if there are none or no template. Found where renders of different one-word
+        messages part: several, since two words can be one token to a tokenizer (unknown to a small vocabulary)."""
+        if not self.tokenizer.chat_template:
+            return None
         return SharedPrefix.common([self.encode_chat([{"role": "user", "content": t}]) for t in ("A", "Z", "the", "7")])
 
     def stream(

@@ -692,3 +692,21 @@ def test_a_prompt_sent_again_starts_from_the_prefix_cache(tiny_model_dir):
         assert "headstart_prefix_cache" not in httpx.get(live.url + "/metrics").text
     finally:
         live.close()
+
+
+def test_a_model_without_a_chat_template_serves_completions(tiny_model_dir):
+    """No template: no shared chat prefix, a raw warm-up, /v1/completions answers (chat is refused, as before)."""
+    engine = tiny_engine(tiny_model_dir)
+    engine.tokenizer.chat_template = None
+    app = build_app(engine, ServeConfig(NAME), worker_thread=False)
+    assert app.state.worker.batch.prefix is None
+    assert app.state.worker.warm_up(tokens=4) > 0
+    live = LiveServer(engine)
+    try:
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        chat = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4}
+        assert httpx.post(live.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 400
+    finally:
+        live.close()

@@ -139,7 +139,7 @@ class Worker:
         t = time.perf_counter()
         engine, served = self.engine, self.batch
         batch = Batch(engine.target, served.prefill_chunk, served.kv_budget, served.prefix)
-        prompt = engine.encode("Say hello to the world in one short sentence.")
+        prompt = engine.encode("Say hello to the world in one short sentence.", bool(engine.tokenizer.chat_template))
         request = batch.add(Request(prompt, max_new_tokens=tokens))  # no EOS: all `tokens` rounds
         while not request.done:
             batch.round()
