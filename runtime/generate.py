@@ -362,9 +362,9 @@ class Batch:
         self.decoding.append(r)
 
     def _start_prefix(self, r: Request) -> None:
-        """Copy the longest start of `r`'s prompt held into its slot: the prefix cache's blocks, or the shared
-        prefix (computed on first use) when its prompt starts with it. At least one prompt token is left to
-        compute, besides the last (the root)."""
+        """Copy the longest start of `r`'s prompt held into its slot: the prefix cache's blocks (they leave at least
+        one prompt token to compute besides the last, the root), or the shared prefix (computed on first use) when
+        its prompt starts with it."""
         self.target.lengths[r.slot] = 0
         p, cache, layers = self.prefix, self.prefix_cache, r.drafter.feature_layers
         shared = p is not None and len(p.ids) < len(r.prompt_ids) and r.prompt_ids[: len(p.ids)] == p.ids
@@ -389,9 +389,10 @@ class Batch:
             r.features.append(features(tuple(p.hidden[:, None]), layers)[0])
 
     def _keep(self, r: Request) -> None:
-        """A leaver's prompt into the prefix cache: its slot holds the prompt's rows, `r` their features."""
+        """A leaver's prompt into the prefix cache: its slot holds the prompt's rows, `r` their features (None only
+        for a one-token prompt, which keeps no block)."""
         cache = self.prefix_cache
-        if cache is None or r.drafter.feature_layers != cache.layers or (cache.layers and r.prompt_features is None):
+        if cache is None or r.drafter.feature_layers != cache.layers:
             return
         ids = r.prompt_ids[:-1]  # positions with features: the root's came with its round
         cache.keep(ids, lambda start, stop: self.target.cache.snapshot(r.slot, stop, start), r.prompt_features)

@@ -625,7 +625,7 @@ def test_the_warm_up_caches_the_chat_prefix_and_leaves_no_trace(tiny_model_dir):
     assert made == engine.generate(prompt, max_new_tokens=12).token_ids
 
 
-def test_sigterm_only_sets_flags_so_a_server_always_stops(tiny_model_dir, tmp_path):
+def test_sigterm_only_sets_flags_so_a_server_always_stops(tiny_model_dir):
     """SIGTERM's handler runs on the worker's thread, maybe inside the lock of the queue an idle worker waits on:
     there it must take no lock (it did: `Worker.stop`'s put hung a server that never exited). Held lock, the
     handler returns at once; a served process stops on SIGTERM."""
