@@ -94,7 +94,7 @@ class Engine:
         choose_kernels(self.target, cache_dir() / "costs")  # float32 on a CPU: MKL's or oneDNN's, as measured here
         self.tokenizer = tokenizer
         self.model_name, self.profile, self.adapter = model_name, profile, adapter
-        self._sizers: dict[tuple[str, str], LiveSizer] = {}  # (drafter, heads) -> its live tree size
+        self._sizers: dict[tuple[str, str], LiveSizer] = {}  # (drafter spec, heads) -> its live tree size
         self.eos_ids = eos_ids(model, tokenizer)
         self.drafter = self.make_drafter(drafter, **options) if isinstance(drafter, str) else drafter or Drafter()
 
@@ -134,7 +134,7 @@ class Engine:
         """A new drafter for this engine's model and profile (`registry.make_drafter`). Trained heads with
         measured per-rank accuracies get the tree budget this device makes best (`tree_choice`) unless a budget
         or a profile is given; EAGLE drafters then keep it the best for the acceptance they see (the sizer
-        is shared by every drafter of the spec made here)."""
+        is shared by every drafter of the spec made here: `eagle` and `eagle+suffix` have one each)."""
         sizer = self._sizer(spec, **options)
         given = options
         if sizer is not None:
@@ -168,7 +168,7 @@ class Engine:
         accuracy = config.measured_accuracy if config is not None else None
         if not accuracy:
             return None
-        key = (base, str(heads))
+        key = (spec, str(heads))  # a graft's heads see other rounds than the bare heads' (a bench runs both)
         if key not in self._sizers:
             curve = cost_curve(self.target, cache_dir() / "costs")
             draft_ms, shared, pair_ms = self._draft_ms_per_depth(spec, **options)

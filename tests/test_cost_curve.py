@@ -157,8 +157,9 @@ def test_engine_drafters_resize_from_what_they_accept(engine, tiny_drafters):
     heads = options["eagle"]["heads"]
     graft = engine.make_drafter("eagle+lookup", heads=heads)
     eagle = graft.inner
-    sizer = engine._sizer("eagle", heads=heads)
-    assert eagle.sizer is sizer and engine.make_drafter("eagle", heads=heads).sizer is sizer  # one per spec
+    sizer = engine._sizer("eagle+lookup", heads=heads)
+    assert eagle.sizer is sizer and engine.make_drafter("eagle+lookup", heads=heads).inner.sizer is sizer  # one a spec
+    assert engine.make_drafter("eagle", heads=heads).sizer is not sizer  # the bare heads see other rounds
     assert engine.make_drafter("eagle", heads=heads, depth=2).sizer is None  # a given size is kept as given
     sizer.every = 4
     start = sizer.choice[False]

@@ -9,19 +9,25 @@ import threading
 
 import pytest
 
+from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.options import SuffixOptions
 from headstart.runtime.drafters.registry import make_drafter
 from headstart.runtime.drafters.suffix import SuffixDrafter, SuffixPool, _top_nodes
 from headstart.runtime.generate import Batch, Request
 from headstart.runtime.target import Target
+from headstart.runtime.tree import DraftTree
+from helpers.drafters import PROMPTS
+from helpers.exactness import assert_first_three_follow_target
 from helpers.models import tiny_llama
 
-OPTIONS = SuffixOptions()
+OPTIONS = SuffixOptions(min_prob=0.0)  # every node counted kept (the default leaves out the unlikely ones)
 
 
 def test_a_lookup_counts_what_followed_the_longest_matches():
     """Three finished requests hold `7 8 9` and what followed it: `1 2` twice, `3` once. The trie of continuations
-    counts each node by the matches through it; longer matches rank first (here the one that also matched `6`)."""
+    counts each node by the matches through it; longer matches rank first (here the one that also matched `6`).
+    A node's probability is its matches over the matches + 1; `min_prob` leaves out those under it."""
     pool = SuffixPool(1000)
     pool.add([5, 7, 8, 9, 1, 2])
     pool.add([4, 7, 8, 9, 1, 2, 0])
@@ -29,9 +35,12 @@ def test_a_lookup_counts_what_followed_the_longest_matches():
     found = pool.lookup([0, 0, 7, 8, 9], OPTIONS)
     assert found.matches == 3 and found.longest == 3
     assert found.branches == [[1, 2, 0], [3]]  # the likeliest path first
-    assert found.probs[:2] == pytest.approx([2 / 3, 2 / 3])  # `1` and `1 2`: two of the three matches
+    assert found.probs == pytest.approx([2 / 4, 2 / 4, 1 / 4, 1 / 4])  # `1`, `1 2`: two of the three matches
+    assert found.gain == pytest.approx(1.5)
+    likely = pool.lookup([0, 0, 7, 8, 9], SuffixOptions(min_prob=0.3))
+    assert likely.branches == [[1, 2]] and likely.probs == pytest.approx([0.5, 0.5])
     assert pool.lookup([6, 7, 8, 9], OPTIONS).longest == 4  # the match extends back over `6`
-    assert pool.lookup([6, 7, 8, 9], SuffixOptions(max_matches=1)).branches == [[3]]  # the longest alone
+    assert pool.lookup([6, 7, 8, 9], SuffixOptions(max_matches=1, min_prob=0.0)).branches == [[3]]  # the longest alone
     assert pool.lookup([1, 7, 8], OPTIONS).matches == 0  # `1 7 8` never occurred
     assert pool.lookup([9, 1], OPTIONS).matches == 0  # shorter than a window
 
@@ -53,7 +62,7 @@ def test_the_drafted_nodes_are_the_likeliest_and_form_a_tree():
     for _ in range(200):
         follows = [[rng.randrange(3) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 12))]
         budget = rng.randint(1, 10)
-        found = _top_nodes(follows, budget, 3)
+        found = _top_nodes(follows, SuffixOptions(pool_nodes=budget, min_prob=0.0), 3, 1.0)
         counts = {}
         for f in follows:
             for d in range(1, len(f) + 1):
@@ -64,7 +73,7 @@ def test_the_drafted_nodes_are_the_likeliest_and_form_a_tree():
         left_out = max((c for p, c in counts.items() if p not in chosen), default=0)
         assert min(counts[p] for p in chosen) >= left_out
         assert sorted(found.probs, reverse=True) == pytest.approx(
-            sorted(counts[p] / len(follows) for p in chosen)[::-1]
+            sorted(counts[p] / (len(follows) + 1) for p in chosen)[::-1]
         )
 
 
@@ -73,7 +82,7 @@ def test_the_pool_holds_at_most_its_tokens_and_forgets_the_oldest():
     for k in range(200):
         pool.add([k % 50 + 100, 1, 2, 3, k])  # `1 2 3` then the request's own number
     assert len(pool) <= 100
-    found = pool.lookup([1, 2, 3], SuffixOptions(max_matches=64, scan=64, budget=64))
+    found = pool.lookup([1, 2, 3], SuffixOptions(max_matches=64, scan=64, pool_nodes=64, min_prob=0.0))
     assert {b[0] for b in found.branches} == set(range(180, 200))  # the last 20 requests only
     assert pool.entries <= 2 * 100 and pool.entries == sum(map(len, pool.index.values()))
     assert pool.lookup([0, 199, 1, 2], OPTIONS).matches == 0  # gone
@@ -106,7 +115,7 @@ def test_the_pool_is_safe_under_the_servers_threads():
     for t in threads:
         t.join()
     assert not errors and pool.requests == 600 and len(pool) <= 5000
-    found = pool.lookup([0, 1, 2, 3], SuffixOptions(budget=64))
+    found = pool.lookup([0, 1, 2, 3], SuffixOptions(pool_nodes=64, min_prob=0.0))
     assert {b[0] for b in found.branches} <= set(range(5)) and found.matches == OPTIONS.max_matches
 
 
@@ -179,3 +188,83 @@ def test_no_pool_is_the_requests_own_lookup_and_pool_of_finds_it_through_wrapper
     assert pool_of(make_drafter("layerskip+lookup:1", tiny_llama())) is None
     with pytest.raises(ValueError, match="pool_tokens"):
         SuffixOptions(pool_tokens=-1)
+
+
+class _Counting(Drafter):
+    """An inner drafter that proposes one fixed node and counts its draftings and rests."""
+
+    def __init__(self) -> None:
+        self.drafted, self.rested = 0, 0
+
+    def propose(self, context: list[int]) -> DraftTree:
+        self.drafted += 1
+        return DraftTree([0], [-1])
+
+    def rest(self) -> None:
+        self.rested += 1
+
+
+def test_a_confident_pool_drafts_alone_and_learns_its_hit_rate():
+    """Where the pool's continuations expect `alone_gain` accepted nodes or more, the graft's tree is the pool's
+    (its nodes first) with the request's own lookup branches, and the inner drafter rests; the pool records what it
+    expected and how many of ITS nodes the target accepted, and that hit rate scales its next estimates."""
+    pool = SuffixPool(1000)
+    for _ in range(3):
+        pool.add([7, 8, 9, 1, 2, 3, 4])
+    inner = _Counting()
+    graft = LookupGraft(inner, SuffixDrafter(SuffixOptions(alone_gain=2.0), pool))
+    context = [5, 1, 2, 3, 5, 6, 7, 8, 9]  # `7 8 9` was followed by `1 2 3 4` three times; `1 2 3` by `5` here
+    tree = graft.propose(context)
+    assert (inner.drafted, inner.rested) == (0, 1)
+    assert tree.tokens[:4] == [1, 2, 3, 4] and tree.parents[:4] == [-1, 0, 1, 2]  # 3/4 each: gain 3
+    graft.observe(tree, [0, 1], None, 9)  # two of the pool's nodes accepted
+    assert (pool.expected, pool.accepted) == (pytest.approx(3.0), 2)
+    assert pool.factor == pytest.approx((8 + 2) / (8 + 3))
+    assert pool.lookup(context, SuffixOptions()).probs[0] == pytest.approx(0.75 * pool.factor)
+    assert len(graft.propose([4, 4, 4, 6, 6])) == 1 and inner.drafted == 1  # no match: the inner tree alone
+    graft.observe(DraftTree([0], [-1]), [0], None, 9)
+    assert pool.accepted == 2  # a grafted round is not the pool's to record
+    for _ in range(10):  # the pool misled: its estimates fall under alone_gain, the inner drafter drafts again
+        pool.record(3.0, 0)
+    graft.propose(context)
+    assert inner.drafted == 2
+
+
+def test_drafting_alone_keeps_greedy_identity():
+    """A request repeating an earlier one drafts alone from the pool in most rounds (a layerskip drafter resting),
+    and its tokens are the target's greedy ones."""
+    model = tiny_llama()
+    drafter = make_drafter("layerskip+suffix:1", model)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    runs = []
+    for _ in range(2):
+        batch = Batch(Target(model))
+        request = batch.add(Request(list(prompt), drafter.fork(), max_new_tokens=32))
+        while len(batch):
+            batch.round()
+        runs.append(request.context[len(prompt) :])
+    plain = Batch(Target(model))
+    reference = plain.add(Request(list(prompt), Drafter(), max_new_tokens=32))
+    while len(plain):
+        plain.round()
+    assert runs[0] == runs[1] == reference.context[len(prompt) :]
+    assert drafter.lookup.pool.expected > 0  # the second request drafted alone
+
+
+def test_drafting_alone_keeps_the_targets_distribution(tiny_drafters):
+    """The 3,000-run chi-square of the drafter contract with the pool's trees drafted alone in most rounds
+    (`alone_gain` low): the pool fills with the runs before, as in service, and the heads rest those rounds."""
+    model, tokenizer, options = tiny_drafters
+    drafter = make_drafter("eagle+suffix", model, tokenizer, **options["eagle"], alone_gain=0.3, min_prob=0.1)
+    rounds = {"alone": 0, "all": 0}
+    observe = LookupGraft.observe
+
+    def counting(self, tree, path, hidden, next_token):
+        rounds["alone"] += self.alone is not None
+        rounds["all"] += 1
+        observe(self, tree, path, hidden, next_token)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LookupGraft, "observe", counting)
+        assert_first_three_follow_target(model, PROMPTS[0], drafter, runs=3000)
+    assert rounds["alone"] > rounds["all"] / 2, rounds

@@ -51,6 +51,10 @@ class Drafter:
         return self.propose(context)
         yield  # a generator, which yields nothing
 
+    def rest(self) -> None:
+        """Draft nothing this round: a graft verifies another source's tree instead (`graft.LookupGraft`), which
+        `observe` then receives (its nodes are none of this drafter's)."""
+
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         """The target accepted `path` of `tree` (its features `hidden`, (n+1, F), or None) and chose `next_token`."""
 

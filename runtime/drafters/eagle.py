@@ -221,6 +221,9 @@ class EagleDrafter(SamplingDrafter):
             if choice is not None:
                 self.resize(choice, self._samples)
 
+    def rest(self) -> None:
+        self._drafted = 0  # the pairs wait, as after a plain round; the sizer records nothing of this round
+
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
         return drive(self.drafting(context))

@@ -10,6 +10,12 @@ replacement, q recorded per node); a grafted node comes after its sampled siblin
 point mass (`build_trie`). `accept_path` stays exact whatever q each sibling was proposed from, as
 long as the proposals do not depend on the target's draws: lookup reads only the context
 (tests/test_accept.py enumerates every outcome of such grafted trees).
+
+`X+suffix` may draft without X: when the suffix pool's continuations expect `alone_gain` accepted nodes or more
+(`suffix.SuffixDrafter.graft_branches`), the round's tree is theirs with the request's own lookup branches, and X
+rests (a head's pairs wait, as after a plain round), as llama.cpp lets a draftless source go first. Still exact:
+that choice, like the branches, depends on the context and on requests that finished before, never on this
+round's draws.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ class LookupGraft(Drafter):
         self.inner, self.lookup = inner, lookup or LookupDrafter()
         self.name = f"{inner.name}+{self.lookup.name}"  # +lookup, +suffix
         self.feature_layers = inner.feature_layers
+        self.alone: tuple[float, int] | None = None  # this round's pool tree drafted alone: expected gain, nodes
 
     def clear(self) -> None:
         self.inner = self.inner.fork()
+        self.alone = None
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
@@ -42,10 +50,18 @@ class LookupGraft(Drafter):
         return drive(self.drafting(context))
 
     def drafting(self, context: list[int]) -> Drafting:
+        alone, branches = self.lookup.graft_branches(context)
+        self.alone = None if alone is None else (alone.gain, len(alone.probs))
+        if alone is not None:  # the suffix pool expects more than the inner tree would: it rests this round
+            self.inner.rest()
+            return build_trie(branches, self.budget, onto=build_trie(alone.branches, len(alone.probs)))
         inner = yield from self.inner.drafting(context)
-        return build_trie(self.lookup.find_branches(context), self.budget, onto=inner)
+        return build_trie(branches, self.budget, onto=inner)
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        if self.alone is not None:  # the pool's nodes come first in the tree
+            gain, nodes = self.alone
+            self.lookup.record_alone(gain, sum(node < nodes for node in path))
         self.inner.observe(tree, path, hidden, next_token)  # the inner drafter reads tokens and features only
 
     def finish(self, context: list[int]) -> None:

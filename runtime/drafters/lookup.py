@@ -23,6 +23,11 @@ class LookupDrafter(Drafter):
     def propose(self, context: list[int]) -> DraftTree:
         return build_trie(self.find_branches(context), self.options.budget)
 
+    def graft_branches(self, context: list[int]) -> tuple[None, list[list[int]]]:
+        """What a graft drafts (`graft.LookupGraft`): never a tree of its own instead of the inner drafter's (None;
+        `suffix.SuffixDrafter`'s may be), and the branches grafted onto it."""
+        return None, self.find_branches(context)
+
     def find_branches(self, context: list[int]) -> list[list[int]]:
         """Continuations of earlier occurrences of the context's last n-gram, longest n-gram first.
 

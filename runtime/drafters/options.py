@@ -44,10 +44,26 @@ class SuffixOptions(LookupOptions):
     max_matches: int = 16  # the longest matches counted (the most recent among equals)
     scan: int = 64  # the most recent occurrences of the last 3 tokens looked at
     pool_tokens: int = 262_144  # the pool's size (the oldest requests leave first; docs/serving.md: measured); 0: none
+    max_spec: int = 32  # the most tokens a pool branch drafts after its match ...
+    spec_factor: float = 1.0  # ... a match of m tokens drafts up to max(branch_len, spec_factor * m) of them
+    pool_nodes: int = 32  # the most nodes the pool's continuations give
+    min_prob: float = 0.3  # a pool node is drafted when its estimated probability is at least this
+    alone_gain: float = 2.0  # grafted: the pool's nodes alone, the heads resting, when they expect this many accepted
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least_one(max_match=self.max_match, max_matches=self.max_matches, scan=self.scan)
+        _at_least_one(
+            max_match=self.max_match,
+            max_matches=self.max_matches,
+            scan=self.scan,
+            max_spec=self.max_spec,
+            pool_nodes=self.pool_nodes,
+        )
+        if not 0 <= self.min_prob <= 1 or not self.spec_factor >= 0 or not self.alone_gain > 0:
+            raise ValueError(
+                "need 0 <= min_prob <= 1, spec_factor >= 0, alone_gain > 0, got "
+                f"{self.min_prob}, {self.spec_factor}, {self.alone_gain}"
+            )
         if self.min_match > self.max_match:
             raise ValueError(f"need min_match <= max_match, got {self.min_match}, {self.max_match}")
         if self.pool_tokens < 0:

@@ -33,16 +33,22 @@ from headstart.runtime.drafters.options import SuffixOptions
 NGRAM = 3  # tokens a window of the index holds: a match is at least this long
 SEP = -1  # between requests in the pool's buffer: no match extends across it
 RECENT = 1024  # lookups whose durations the pool keeps (its lookup cost's p95)
+PRIOR = 8.0  # nodes' worth of rounds the pool's calibration starts from, as if they were accepted as estimated
 
 
 class Continuations(NamedTuple):
     """The pool's answer: branches (root-to-leaf token paths of the chosen nodes, likeliest leaf first) and each
-    chosen node's estimated probability (matches through it / matches), parents before children."""
+    chosen node's estimated probability, parents before children (`SuffixPool.lookup`)."""
 
     branches: list[list[int]]
     probs: list[float]
     matches: int  # how many earlier occurrences were counted
     longest: int  # the longest match's length in tokens
+
+    @property
+    def gain(self) -> float:
+        """The nodes a round drafting them is expected to accept: the sum of their probabilities."""
+        return sum(self.probs)
 
 
 class SuffixPool:
@@ -63,6 +69,7 @@ class SuffixPool:
         self.lookups, self.hits = 0, 0  # lookups; those that found a match of `min_match` tokens or more
         self.lookup_s = 0.0  # seconds of every lookup
         self.recent: deque[float] = deque(maxlen=RECENT)  # seconds of the last RECENT lookups
+        self.expected, self.accepted = 0.0, 0  # nodes of its trees drafted alone: estimated, then accepted
 
     def __len__(self) -> int:
         return len(self.buf) - len(self.starts)
@@ -73,6 +80,7 @@ class SuffixPool:
             self.base += len(self.buf)
             self.buf, self.starts, self.index, self.entries = array("q"), deque(), {}, 0
             self.requests, self.lookups, self.hits, self.lookup_s = 0, 0, 0, 0.0
+            self.expected, self.accepted = 0.0, 0
             self.recent.clear()
 
     def add(self, tokens: list[int]) -> None:
@@ -139,15 +147,29 @@ class SuffixPool:
                         break
                     m += 1
                 follow = []
-                for q in range(p - base, min(p - base + options.branch_len, len(buf))):
+                span = min(options.max_spec, max(options.branch_len, int(options.spec_factor * m)))
+                for q in range(p - base, min(p - base + span, len(buf))):
                     if buf[q] == SEP:
                         break
                     follow.append(buf[q])
                 if follow:
                     scored.append((m, follow))
+            factor = self.factor
         scored.sort(key=lambda s: -s[0])  # stable: the most recent first among equals
         kept = scored[: options.max_matches]
-        return _top_nodes([f for _, f in kept], options.budget, kept[0][0] if kept else 0)
+        return _top_nodes([f for _, f in kept], options, kept[0][0] if kept else 0, factor)
+
+    @property
+    def factor(self) -> float:
+        """The pool's measured hit rate: nodes accepted over nodes expected, of the trees drafted from it alone
+        (`record`), starting from PRIOR nodes accepted as expected."""
+        return (PRIOR + self.accepted) / (PRIOR + self.expected)
+
+    def record(self, expected: float, accepted: int) -> None:
+        """A tree drafted from the pool alone expected `expected` nodes accepted, and `accepted` were."""
+        with self.lock:
+            self.expected += expected
+            self.accepted += accepted
 
     def stats(self) -> dict[str, float]:
         """What /metrics shows: tokens and requests held, index entries, lookups, hits (a match of `min_match`
@@ -163,6 +185,7 @@ class SuffixPool:
                 "hits": self.hits,
                 "lookup_seconds": self.lookup_s,
                 "lookup_seconds_p95": p95,
+                "hit_rate": self.factor,
             }
 
 
@@ -172,20 +195,23 @@ def _key(tokens, end: int) -> int:
     return (a << 42) | (b << 21) | c
 
 
-def _top_nodes(follows: list[list[int]], budget: int, longest: int) -> Continuations:
-    """The `budget` nodes of the continuations' trie most matches went through, as branches and probabilities."""
+def _top_nodes(follows: list[list[int]], options: SuffixOptions, longest: int, factor: float) -> Continuations:
+    """The nodes of the continuations' trie most matches went through (at most `pool_nodes`), each node's
+    probability estimated as matches through it / (matches + 1) (one match is no certainty) times the pool's hit
+    rate `factor` (at most 1), those under `min_prob` left out; as branches and probabilities."""
     if not follows:
         return Continuations([], [], 0, 0)
     counts: dict[tuple[int, ...], int] = {}
     for follow in follows:
         for d in range(1, len(follow) + 1):
             counts[tuple(follow[:d])] = counts.get(tuple(follow[:d]), 0) + 1
-    chosen = sorted(counts, key=lambda path: (-counts[path], len(path)))[:budget]  # parents first among equals
+    scale = factor / (len(follows) + 1)
+    chosen = sorted(counts, key=lambda path: (-counts[path], len(path)))[: options.pool_nodes]  # parents first
+    chosen = [path for path in chosen if min(counts[path] * scale, 1.0) >= options.min_prob]
     parents = {path[:-1] for path in chosen}
     along = {path: [counts[path[:d]] for d in range(1, len(path) + 1)] for path in chosen if path not in parents}
     leaves = [list(path) for path in sorted(along, key=lambda path: [-c for c in along[path]])]
-    total = len(follows)
-    return Continuations(leaves, [counts[path] / total for path in chosen], total, longest)
+    return Continuations(leaves, [min(counts[path] * scale, 1.0) for path in chosen], len(follows), longest)
 
 
 class SuffixDrafter(LookupDrafter):
@@ -206,19 +232,43 @@ class SuffixDrafter(LookupDrafter):
         request copying its own transcript; in turn 7.8), the pool's none when its longest match is shorter than
         `min_match` (3, a window: against 5, on the extraction workload 3.49 tokens a round against 3.33, and on
         Spec-Bench, which does not repeat, 0.99x eagle+lookup against 0.97x; docs/benchmarks.md)."""
+        own, pooled = self._found(context)
+        return own if pooled is None else _in_turn(own, pooled.branches)
+
+    def graft_branches(self, context: list[int]) -> tuple[Continuations | None, list[list[int]]]:
+        """The pool's continuations when they expect `alone_gain` accepted nodes or more: a graft drafts them with
+        the request's own lookup branches (the second list), its inner drafter resting; else None and
+        `find_branches`'."""
+        own, pooled = self._found(context)
+        if pooled is None:
+            return None, own
+        if pooled.gain >= self.options.alone_gain:
+            return pooled, own
+        return None, _in_turn(own, pooled.branches)
+
+    def _found(self, context: list[int]) -> tuple[list[list[int]], Continuations | None]:
+        """The request's own lookup branches, and the pool's continuations (None: no pool, or its longest match is
+        shorter than `min_match`)."""
         own = super().find_branches(context)
         if self.pool is None:
-            return own
+            return own, None
         pooled = self.pool.lookup(context, self.options)
-        if pooled.longest < self.options.min_match:
-            return own
-        fresh = [b for b in pooled.branches if b not in own]
-        mixed = [b for pair in zip(own, fresh, strict=False) for b in pair]  # own, pooled, own ...; the rest after
-        return mixed + own[len(mixed) // 2 :] + fresh[len(mixed) // 2 :]
+        return own, pooled if pooled.longest >= self.options.min_match else None
+
+    def record_alone(self, expected: float, accepted: int) -> None:
+        """A tree of the pool's alone (`graft_branches`) expected `expected` nodes accepted; `accepted` were."""
+        self.pool.record(expected, accepted)
 
     def finish(self, context: list[int]) -> None:
         if self.pool is not None:
             self.pool.add(context)
+
+
+def _in_turn(own: list[list[int]], pooled: list[list[int]]) -> list[list[int]]:
+    """Own branch, pool's branch, own ... (the pool's that repeat an own one left out), the rest after."""
+    fresh = [b for b in pooled if b not in own]
+    mixed = [b for pair in zip(own, fresh, strict=False) for b in pair]
+    return mixed + own[len(mixed) // 2 :] + fresh[len(mixed) // 2 :]
 
 
 def pool_of(drafter) -> SuffixPool | None:
