@@ -537,10 +537,12 @@ def stream(
     eos_ids: frozenset[int] | set[int] = frozenset(),
     seed: int | None = None,
     stats: GenerationStats | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[Chunk]:
     """Yield the tokens generated after `prompt_ids`, a round at a time, stopping at EOS (yielded) or the limit:
-    a batch of one. Pass a `GenerationStats` to read the per-request statistics as the stream goes on."""
-    batch = Batch(target)
+    a batch of one. Pass a `GenerationStats` to read the per-request statistics as the stream goes on; a
+    `prefix_cache` to start from the blocks of earlier prompts it holds and keep this one's (as a server does)."""
+    batch = Batch(target, prefix_cache=prefix_cache)
     request = batch.add(
         Request(
             prompt_ids,

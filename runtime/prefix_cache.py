@@ -37,6 +37,9 @@ class Block:
         return sum(k.nbytes + v.nbytes for k, v in self.kv) + (0 if self.features is None else self.features.nbytes)
 
 
+DEFAULT_GB = 1.0  # what a server keeps by default (`ServeConfig`), and `headstart bench --workload` as it would
+
+
 class PrefixCache:
     """Blocks of finished prompts, at most `max_bytes` of them; `layers`: the feature layers the drafters read
     (a request whose drafter reads others neither uses nor fills it)."""

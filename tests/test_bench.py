@@ -215,10 +215,13 @@ def test_a_workload_is_replayed_in_order_each_method_with_its_own_pool(tiny_mode
     pools = []
     real = bench.run_method
 
+    caches = []
+
     def spy(engine, method, drafters, *rest):
         run = real(engine, method, drafters, *rest)
         if method == "suffix":
             pools.append(drafters[method].pool.requests)
+            caches.append(rest[4] if len(rest) > 4 else None)  # the warm-up passes none
         return run
 
     out = tmp_path / "out"
@@ -227,6 +230,10 @@ def test_a_workload_is_replayed_in_order_each_method_with_its_own_pool(tiny_mode
         mp.setattr(bench, "run_method", spy)
         assert main([*args, "--workload", "extraction", "--workload-size", "5", "--out", str(out)]) == 0
     assert pools == [1, 1, 2, 3, 4, 5]  # the warm-up's request, then cleared: one more each prompt
+    # as a server would: each method's own prefix cache (serve's default size), made after the warm-up, kept
+    assert caches[0] is None and len({id(c["suffix"]) for c in caches[1:]}) == 1
+    assert caches[1]["suffix"] is not caches[1]["lookup"] and caches[1]["suffix"].max_bytes == 2**30
+    assert caches[-1]["suffix"].lookups > 0
     rows = [json.loads(line) for line in (out / "workload-extraction.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"extraction-{i:03d}" for i in range(5)]
     assert main([*args, "--workload", "agent", "--prompts", str(out / "workload-extraction.jsonl")]) == 2

@@ -26,6 +26,13 @@ def add_parsers(sub) -> None:
     )
     b.add_argument("--workload-size", type=common.at_least_one, default=40, help="--workload: its prompts")
     b.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=None,
+        help="each method keeps finished prompts' keys and values for prompts that start the same way, as a server "
+        "does (default: serve's, 1, with --workload; 0: off, the default with --prompts)",
+    )
+    b.add_argument(
         "--methods",
         default="plain,hf,lookup",
         help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
@@ -124,7 +131,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     import torch
 
-    from headstart.runtime import background
+    from headstart.runtime import background, prefix_cache
     from headstart.runtime.apps import bench, bench_report
     from headstart.runtime.cost_curve import cpu_name
     from headstart.runtime.engine import Engine
@@ -150,6 +157,11 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
             raise common.UserError(f"--batch-sizes takes a comma list of whole numbers: {e}") from e
         if min(batch_sizes) < 1:
             raise common.UserError("--batch-sizes: every size must be >= 1")
+    if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
+        raise common.UserError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    prefix_cache_gb = args.prefix_cache_gb
+    if prefix_cache_gb is None:
+        prefix_cache_gb = prefix_cache.DEFAULT_GB if args.workload is not None else 0.0
     if args.workload is not None:
         if args.prompts is not None:
             raise common.UserError("give --prompts or --workload, not both")
@@ -198,6 +210,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
             categories,
             args.seed,
             args.breakdown,
+            prefix_cache_gb,
             **options,
         )
     table = bench.summarize(records)

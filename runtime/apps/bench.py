@@ -31,6 +31,7 @@ from headstart.runtime.drafters.registry import heads_adapter, option_names, par
 from headstart.runtime.drafters.suffix import pool_of
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import GenerationStats, stream
+from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.prompts import load_prompts
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.text import TextDecoder
@@ -85,11 +86,20 @@ class Run:
         return 1e3 * self.stats.verify_s / max(self.stats.target_passes, 1) if self.stats else None
 
 
-def _run_ours(engine: Engine, drafter: Drafter, ids: list[int], sampling: SamplingParams, max_new: int, seed: int):
+def _run_ours(
+    engine: Engine,
+    drafter: Drafter,
+    ids: list[int],
+    sampling: SamplingParams,
+    max_new: int,
+    seed: int,
+    prefix_cache: PrefixCache | None = None,
+):
     """The decode loop itself (no detokenising: that is not what the methods differ in)."""
     stats = GenerationStats()
     t0 = time.perf_counter()
-    chunks = [c.tokens for c in stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats)]
+    decoded = stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats, prefix_cache)
+    chunks = [c.tokens for c in decoded]
     return Run([t for chunk in chunks for t in chunk], time.perf_counter() - t0, stats, chunks)
 
 
@@ -185,11 +195,19 @@ def method_options(methods: list[str], options: dict) -> dict[str, dict]:
 
 
 def run_method(
-    engine: Engine, method: str, drafters: dict[str, Drafter], ids: list[int], sampling, max_new, seed
+    engine: Engine,
+    method: str,
+    drafters: dict[str, Drafter],
+    ids: list[int],
+    sampling,
+    max_new,
+    seed,
+    caches: dict[str, PrefixCache] | None = None,
 ) -> Run:
+    """One generation of `method`; `caches`: each of our methods' prefix cache (none: no prefix cache)."""
     if method in HF_METHODS:
         return _run_hf(engine, method == "hf-lookup", ids, sampling, max_new, seed)
-    return _run_ours(engine, drafters[method], ids, sampling, max_new, seed)
+    return _run_ours(engine, drafters[method], ids, sampling, max_new, seed, (caches or {}).get(method))
 
 
 def run_bench(
@@ -202,10 +220,13 @@ def run_bench(
     categories: set[str] | None = None,
     seed: int = 0,
     breakdown: bool = False,
+    prefix_cache_gb: float = 0.0,
     **draft_options: str | int | dict | None,
 ) -> list[Record]:
     """Every method on every prompt and temperature; `breakdown`: each record also holds its round's cost per
-    phase (`phase_breakdown`; the lm_head timed by hooks, which cost every method alike).
+    phase (`phase_breakdown`; the lm_head timed by hooks, which cost every method alike); `prefix_cache_gb` > 0:
+    each of our methods keeps a prefix cache of that size across the prompts, as a server does (empty after the
+    warm-up), so that a workload whose prompts start alike is replayed as a server would serve it.
 
     `draft_options` go to every drafter method that takes them (`method_options`): `heads` maps medusa/eagle to
     checkpoint directories (missing ones: the heads shipped for the engine's model), draft_layers, draft_model,
@@ -221,6 +242,8 @@ def run_bench(
     for drafter in drafters.values():  # what the warm-up wrote leaves the suffix pools: each starts empty
         if (pool := pool_of(drafter)) is not None:
             pool.clear()
+    size = int(prefix_cache_gb * 2**30)
+    caches = {m: PrefixCache(size, d.feature_layers) for m, d in drafters.items()} if size else {}
     records: list[Record] = []
     jobs = [(t, i) for t in temperatures for i in range(len(prompts))]
     with ExitStack() as timing:
@@ -239,16 +262,17 @@ def run_bench(
                 max_new_tokens,
                 seed,
                 breakdown,
+                caches,
             )
     return records
 
 
-def _bench_prompt(engine, engines, methods, drafters, prompt, ids, sampling, max_new_tokens, seed, breakdown):
+def _bench_prompt(engine, engines, methods, drafters, prompt, ids, sampling, max_new_tokens, seed, breakdown, caches):
     """One prompt through every method: their records."""
     records, plain_tokens = [], None
     for method in methods:
         runs_on = engines.get(method, engine)
-        run = run_method(runs_on, method, drafters, ids, sampling, max_new_tokens, seed)
+        run = run_method(runs_on, method, drafters, ids, sampling, max_new_tokens, seed, caches)
         if method == "plain":
             plain_tokens = run.tokens
         same = run.tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None

@@ -5,13 +5,19 @@ JSON schema over many documents, an agent re-sending its tools and formats, the 
 keeps the token ids of finished requests, oldest dropped first past `max_tokens`, indexed by every NGRAM-token
 window. A lookup takes the windows equal to the context's last NGRAM tokens, extends each match backwards (up to
 `max_match` tokens, never across a request's start), keeps the `max_matches` longest (the most recent first
-among equals) and counts what followed each: a trie of continuations where a node's count is how many matches
-went through it. A node's estimated probability is its count over the matches (`Continuations`); the draft is
-the `budget` nodes of highest probability (a child never counts more than its parent, so they form a tree).
+among equals) and counts what followed each, as far as the match is long (a match of m tokens: up to
+max(branch_len, spec_factor * m) tokens, at most `max_spec`; SuffixDecoding's rule: the longer the context
+repeats, the further its continuation is trusted): a trie of continuations where a node's count is how many
+matches went through it. A node's estimated probability is its count over the matches + 1, times the pool's
+measured hit rate (`SuffixPool.factor`: of the trees drafted from the pool alone, nodes accepted over nodes
+expected); the draft is the `pool_nodes` nodes of highest count whose probability reaches `min_prob` (a child
+never counts more than its parent, so they form a tree).
 
 `SuffixDrafter` (`--drafter suffix`) drafts the request's own prompt-lookup branches and the pool's, in turn
 (what the request repeats of itself is found as before; the pool adds what other requests wrote); `X+suffix`
-grafts them onto X's tree (`graft.LookupGraft`). Exact as every drafter: the pool holds requests that finished
+grafts them onto X's tree (`graft.LookupGraft`), or, where the pool's nodes expect `alone_gain` accepted nodes
+or more, drafts the pool's tree with the request's own branches while X rests (its head forwards and its nodes'
+rows saved: on the agent workload the pool's trees were drafted alone in most rounds). Exact as every drafter: the pool holds requests that finished
 before this round, so a tree never depends on this round's draws (`accept_path` is exact for any proposal that
 does not). The pool is one tenant's: a request can learn from how fast it is answered what others asked (a
 timing side channel), so a server shared by parties who must not see each other's traffic runs
