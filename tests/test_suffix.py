@@ -268,3 +268,26 @@ def test_drafting_alone_keeps_the_targets_distribution(tiny_drafters):
         patch.setattr(LookupGraft, "observe", counting)
         assert_first_three_follow_target(model, PROMPTS[0], drafter, runs=3000)
     assert rounds["alone"] > rounds["all"] / 2, rounds
+
+
+def test_under_the_load_budget_a_confident_pool_offers_its_tree_alone():
+    """Served with the load budget (`Budgeted`), a suffix graft whose pool would draft alone offers that tree alone
+    (the pool's nodes, then the request's own lookup branches), worth what the pool expects of it; taken, the heads
+    rest, the tree is that one cut to the plan, and the pool records how many of its nodes were accepted."""
+    from headstart.runtime.budget import Offer
+    from headstart.runtime.drafters.budgeted import Budgeted
+
+    pool = SuffixPool(1000)
+    for _ in range(3):
+        pool.add([7, 8, 9, 1, 2, 3, 4])
+    inner = _Counting()
+    drafter = Budgeted(LookupGraft(inner, SuffixDrafter(SuffixOptions(alone_gain=2.0), pool)))
+    context = [5, 1, 2, 3, 5, 6, 7, 8, 9]
+    offers = [o for o in drafter.offers(context) if o.graft and not o.heads]
+    assert offers == [Offer(4, pytest.approx(3.0), 0.0, graft=True)]  # `1 2 3 4`, each node 3/4
+    drafter.take(offers[0]._replace(nodes=3))
+    tree = drafter.propose(context)
+    assert tree.tokens == [1, 2, 3] and (inner.drafted, inner.rested) == (0, 1)
+    drafter.observe(tree, [0, 1, 2], None, 9)
+    assert (pool.expected, pool.accepted) == (pytest.approx(2.25), 3)  # the three nodes drafted expected 3/4 each
+    assert drafter.graft_seen == [0, 0]  # the pool's round is not the graft's hit rate

@@ -17,6 +17,8 @@ What each offer is worth comes from the drafter's own evidence:
   request's grafted nodes were accepted per round, starting from what every request's were (the traffic's: the
   forks of one Budgeted share it; GRAFT_PRIOR before any). Each request starting from GRAFT_PRIOR alone, at two
   requests the budget never tried a graft worth 3 nodes a round on held-out chat;
+- a suffix graft whose pool drafts alone (`graft.LookupGraft`): that tree alone, worth the sum of the pool's node
+  probabilities (its counts times its measured hit rate: `suffix.py`); taken, the heads rest, as the fixed trees do;
 - any other drafter: its whole tree, of the size and acceptance its rounds so far had (OTHER_PRIOR before any).
 The tree is cut to the plan's nodes (`DraftTree.prefix`), so the width the budget paid for is never exceeded.
 """
@@ -62,9 +64,10 @@ class Budgeted(Drafter):
         self.factor = 1.0  # this request's factor on the heads' accuracies (`_refit`)
         self.graft_seen = [0, 0]  # grafted rounds, grafted nodes accepted
         self.other_seen = [0, 0, 0, 0.0]  # rounds, nodes, accepted nodes, drafting seconds
-        self._branches: tuple[int, list[list[int]]] = (-1, [])  # (context length, lookup branches found there)
+        self._found: tuple[int, DraftTree | None, list[float], list[list[int]]] = (-1, None, [], [])  # `_lookup`
         # this round: the heads' nodes drafted, the plan's heads' nodes, lookup grafted, drafting seconds
         self._round: tuple[int, int, bool, float] | None = None
+        self._alone: tuple[float, int] | None = None  # this round's suffix pool tree drafted alone: its gain, nodes
 
     def take(self, plan: Offer | None) -> None:
         """The coming round's tree (one of `offers`), None: a plain step."""
@@ -120,11 +123,26 @@ class Budgeted(Drafter):
                 own = own + self._grafted(graft, own, hit, context)
         return own if price is None else [o for o in own if price.passes(o)]
 
+    def _lookup(self, graft: LookupGraft, context: list[int]) -> tuple[DraftTree | None, list[float], list[list[int]]]:
+        """`graft.lookup.graft_branches` at this context, once a round: the suffix pool's tree to draft alone (its
+        nodes first, then the request's own lookup branches; None: none) and its nodes' probabilities, else the
+        branches to graft."""
+        if self._found[0] != len(context):
+            alone, branches = graft.lookup.graft_branches(context)
+            if alone is None:
+                self._found = (len(context), None, [], branches)
+            else:
+                tree = build_trie(branches, graft.budget, onto=build_trie(alone.branches, len(alone.probs)))
+                self._found = (len(context), tree, alone.probs, [])
+        return self._found[1:]
+
     def _grafted(self, graft: LookupGraft, own: list[Offer], hit: float, context: list[int]) -> list[Offer]:
-        """`graft`'s lookup branches found now: alone, and onto each of `own`, worth `hit` accepted nodes a round."""
-        if self._branches[0] != len(context):
-            self._branches = (len(context), graft.lookup.find_branches(context))
-        found = len(build_trie(self._branches[1], graft.budget))
+        """`graft`'s lookup branches found now: alone, and onto each of `own`, worth `hit` accepted nodes a round.
+        Where the suffix pool drafts alone (`LookupGraft`), its tree alone, worth what the pool expects of it."""
+        alone, probs, branches = self._lookup(graft, context)
+        if alone is not None:
+            return [Offer(len(alone), sum(probs), 0.0, graft=True)]
+        found = len(build_trie(branches, graft.budget))
         if not found:
             return []
         grafted = [Offer(found, min(hit, found), 0.0, graft=True)]
@@ -135,9 +153,16 @@ class Budgeted(Drafter):
         return drive(self.drafting(context))
 
     def drafting(self, context: list[int]) -> Drafting:
-        plan, self._round = self.plan, None
+        plan, self._round, self._alone = self.plan, None, None
         if plan is None:
             return DraftTree()
+        graft = self.graft
+        if plan.graft and not plan.heads and graft is not None:
+            alone, probs, _ = self._lookup(graft, context)
+            if alone is not None:  # the suffix pool's tree, the heads resting (their pairs wait)
+                self.heads.rest()
+                self._alone = (sum(probs[: plan.nodes]), len(probs))  # the pool's nodes drafted: their gain, count
+                return alone.prefix(plan.nodes)
         heads, curve = self.heads, self._curve()
         t0 = time.perf_counter()  # an uncalibrated drafter's own time (a head's steps, drafted together, are not)
         if curve:
@@ -146,11 +171,8 @@ class Budgeted(Drafter):
         else:
             tree = (yield from heads.drafting(context)).prefix(plan.heads) if plan.heads else DraftTree()
         seconds, own = time.perf_counter() - t0, len(tree)
-        graft = self.graft
         if plan.graft and graft is not None:
-            if self._branches[0] != len(context):
-                self._branches = (len(context), graft.lookup.find_branches(context))
-            tree = build_trie(self._branches[1], min(graft.budget, plan.nodes - own), onto=tree)
+            tree = build_trie(self._lookup(graft, context)[2], min(graft.budget, plan.nodes - own), onto=tree)
         tree = tree.prefix(plan.nodes)
         self._round = (own, plan.heads, len(tree) > own, seconds)
         return tree
@@ -159,7 +181,10 @@ class Budgeted(Drafter):
         self.inner.finish(context)
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
-        if self._round is not None and len(tree):
+        if self._alone is not None:  # the pool's round: its own record, not the graft's hit rate
+            gain, nodes = self._alone
+            self.graft.lookup.record_alone(gain, sum(node < nodes for node in path))
+        elif self._round is not None and len(tree):
             own, sized, grafted, seconds = self._round
             ours = next((k for k, node in enumerate(path) if node >= own), len(path))  # the heads' nodes come first
             if self._curve() and sized:

@@ -13,16 +13,16 @@ measured hit rate (`SuffixPool.factor`: of the trees drafted from the pool alone
 expected); the draft is the `pool_nodes` nodes of highest count whose probability reaches `min_prob` (a child
 never counts more than its parent, so they form a tree).
 
-`SuffixDrafter` (`--drafter suffix`) drafts the request's own prompt-lookup branches and the pool's, in turn
-(what the request repeats of itself is found as before; the pool adds what other requests wrote); `X+suffix`
-grafts them onto X's tree (`graft.LookupGraft`), or, where the pool's nodes expect `alone_gain` accepted nodes
-or more, drafts the pool's tree with the request's own branches while X rests (its head forwards and its nodes'
-rows saved: on the agent workload the pool's trees were drafted alone in most rounds). Exact as every drafter: the pool holds requests that finished
-before this round, so a tree never depends on this round's draws (`accept_path` is exact for any proposal that
-does not). The pool is one tenant's: a request can learn from how fast it is answered what others asked (a
-timing side channel), so a server shared by parties who must not see each other's traffic runs
-`--no-suffix-pool` (docs/serving.md): `pool_tokens` 0, no pool, the request's own lookup alone. A server's
-/metrics shows the pool's size, hit rate and lookup cost (`SuffixPool.stats`).
+`SuffixDrafter` (`--drafter suffix`) drafts the request's own prompt-lookup branches and the pool's, in turn (what
+the request repeats of itself is found as before; the pool adds what other requests wrote); `X+suffix` grafts them
+onto X's tree (`graft.LookupGraft`), or, where the pool's nodes expect `alone_gain` accepted nodes or more, drafts
+the pool's tree with the request's own branches while X rests (its head forwards and its nodes' rows saved: on the
+agent workload the pool's trees were drafted alone in most rounds). Exact as every drafter: the pool holds requests
+that finished before this round, so a tree never depends on this round's draws (`accept_path` is exact for any
+proposal that does not). The pool is one tenant's: a request can learn from how fast it is answered what others
+asked (a timing side channel), so a server shared by parties who must not see each other's traffic runs
+`--no-suffix-pool` (docs/serving.md): `pool_tokens` 0, no pool, the request's own lookup alone. A server's /metrics
+shows the pool's size, hit rate and lookup cost (`SuffixPool.stats`).
 """
 
 from __future__ import annotations

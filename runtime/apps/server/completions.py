@@ -35,7 +35,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
     max_batch: int = 32  # requests decoded at once (continuous batching; chosen by measurement, docs/serving.md)
     kv_cache_gb: float = 4.0  # the KV cache's budget; a request waits until it fits
-    prefix_cache_gb: float = DEFAULT_GB  # finished prompts' keys and values kept for prompts that start the same way; 0: off
+    prefix_cache_gb: float = DEFAULT_GB  # finished prompts' keys and values kept for prompts starting alike; 0: off
     prefill_chunk: int | None = None  # prompt tokens prefilled a round while others decode (None: the loop's own)
     per_request_spec_decode_metrics: str = "none"  # "summary": each answer's `metrics.speculative_decoding` (vLLM's)
     speculate_up_to: int | None = (
