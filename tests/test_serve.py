@@ -580,7 +580,7 @@ def test_no_suffix_pool_turns_the_pool_off_and_is_refused_where_there_is_none(mo
 
 
 def test_serve_decodes_with_the_shipped_eagle_head_unless_told(monkeypatch, tiny_model_dir):
-    """No --drafter: the embedded model serves eagle+lookup (its EAGLE head is shipped; the load budget sizes the
+    """No --drafter: the embedded model serves eagle+suffix (its EAGLE head is shipped; the load budget sizes the
     trees); a model without shipped heads, or one with an adapter (the heads were trained on the base), plain; a
     given --drafter is kept."""
     from headstart.commands import common
@@ -600,7 +600,7 @@ def test_serve_decodes_with_the_shipped_eagle_head_unless_told(monkeypatch, tiny
         ["--model", DEFAULT_MODEL, "--drafter", "lookup"],
     ):
         assert main(["serve", *argv]) == 2
-    assert seen == ["eagle+lookup", "none", "none", "lookup"]
+    assert seen == ["eagle+suffix", "none", "none", "lookup"]
 
 
 def test_the_warm_up_caches_the_chat_prefix_and_leaves_no_trace(tiny_model_dir):
