@@ -132,8 +132,7 @@ class Budgeted(Drafter):
             if alone is None:
                 self._found = (len(context), None, [], branches)
             else:
-                tree = build_trie(branches, graft.budget, onto=build_trie(alone.branches, len(alone.probs)))
-                self._found = (len(context), tree, alone.probs, [])
+                self._found = (len(context), graft.alone_tree(alone, branches), alone.probs, [])
         return self._found[1:]
 
     def _grafted(self, graft: LookupGraft, own: list[Offer], hit: float, context: list[int]) -> list[Offer]:
@@ -182,8 +181,7 @@ class Budgeted(Drafter):
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         if self._alone is not None:  # the pool's round: its own record, not the graft's hit rate
-            gain, nodes = self._alone
-            self.graft.lookup.record_alone(gain, sum(node < nodes for node in path))
+            self.graft.record_alone(self._alone, path)
         elif self._round is not None and len(tree):
             own, sized, grafted, seconds = self._round
             ours = next((k for k, node in enumerate(path) if node >= own), len(path))  # the heads' nodes come first

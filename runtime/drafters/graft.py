@@ -20,6 +20,8 @@ round's draws.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from headstart.runtime.drafters.base import Drafter
@@ -28,6 +30,9 @@ from headstart.runtime.drafters.options import GraftOptions
 from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree
+
+if TYPE_CHECKING:
+    from headstart.runtime.drafters.suffix import Continuations
 
 
 class LookupGraft(Drafter):
@@ -54,14 +59,23 @@ class LookupGraft(Drafter):
         self.alone = None if alone is None else (alone.gain, len(alone.probs))
         if alone is not None:  # the suffix pool expects more than the inner tree would: it rests this round
             self.inner.rest()
-            return build_trie(branches, self.budget, onto=build_trie(alone.branches, len(alone.probs)))
+            return self.alone_tree(alone, branches)
         inner = yield from self.inner.drafting(context)
         return build_trie(branches, self.budget, onto=inner)
 
+    def alone_tree(self, alone: Continuations, own: list[list[int]]) -> DraftTree:
+        """The suffix pool's nodes first, then the request's own lookup branches (at most `budget` nodes more)."""
+        return build_trie(own, self.budget, onto=build_trie(alone.branches, len(alone.probs)))
+
+    def record_alone(self, drafted: tuple[float, int], path: list[int]) -> None:
+        """A round drafted alone from the pool (its nodes' expected gain, how many) accepted `path`: the pool
+        records how many of its nodes (the tree's first) were accepted."""
+        gain, nodes = drafted
+        self.lookup.record_alone(gain, sum(node < nodes for node in path))
+
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
-        if self.alone is not None:  # the pool's nodes come first in the tree
-            gain, nodes = self.alone
-            self.lookup.record_alone(gain, sum(node < nodes for node in path))
+        if self.alone is not None:
+            self.record_alone(self.alone, path)
         self.inner.observe(tree, path, hidden, next_token)  # the inner drafter reads tokens and features only
 
     def finish(self, context: list[int]) -> None:
