@@ -133,6 +133,15 @@ def test_forks_share_one_pool_and_drafters_built_apart_do_not():
         make_drafter("eagle+nothing")
 
 
+def decoded(model, prompt: list[int], drafter: Drafter, max_new_tokens: int) -> Request:
+    """`prompt` decoded alone to its end with `drafter` (its request: context, stats)."""
+    batch = Batch(Target(model))
+    request = batch.add(Request(list(prompt), drafter, max_new_tokens=max_new_tokens))
+    while len(batch):
+        batch.round()
+    return request
+
+
 def test_a_finished_request_teaches_the_next_one():
     """Decoded one after another, the second request drafts from the first's output (the target's greedy tokens):
     greedy identity holds and the second accepts more than the first, which had an empty pool."""
@@ -141,10 +150,7 @@ def test_a_finished_request_teaches_the_next_one():
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     accepted = []
     for _ in range(2):
-        batch = Batch(Target(model))
-        request = batch.add(Request(list(prompt), drafter.fork(), max_new_tokens=24))
-        while len(batch):
-            batch.round()
+        request = decoded(model, prompt, drafter.fork(), 24)
         accepted.append(sum(request.stats.accepted_per_depth))
         outputs = request.context
     assert drafter.pool.requests == 2 and len(drafter.pool) == 2 * len(outputs)
@@ -236,18 +242,8 @@ def test_drafting_alone_keeps_greedy_identity():
     model = tiny_llama()
     drafter = make_drafter("layerskip+suffix:1", model)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-    runs = []
-    for _ in range(2):
-        batch = Batch(Target(model))
-        request = batch.add(Request(list(prompt), drafter.fork(), max_new_tokens=32))
-        while len(batch):
-            batch.round()
-        runs.append(request.context[len(prompt) :])
-    plain = Batch(Target(model))
-    reference = plain.add(Request(list(prompt), Drafter(), max_new_tokens=32))
-    while len(plain):
-        plain.round()
-    assert runs[0] == runs[1] == reference.context[len(prompt) :]
+    runs = [decoded(model, prompt, drafter.fork(), 32).context for _ in range(2)]
+    assert runs[0] == runs[1] == decoded(model, prompt, Drafter(), 32).context
     assert drafter.lookup.pool.expected > 0  # the second request drafted alone
 
 
