@@ -71,7 +71,7 @@ class LookupGraft(Drafter):
         """A round drafted alone from the pool (its nodes' expected gain, how many) accepted `path`: the pool
         records how many of its nodes (the tree's first) were accepted."""
         gain, nodes = drafted
-        self.lookup.record_alone(gain, sum(node < nodes for node in path))
+        self.lookup.pool.record(gain, sum(node < nodes for node in path))  # only a suffix pool drafts alone
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         if self.alone is not None:

@@ -210,14 +210,16 @@ def _top_nodes(follows: list[list[int]], options: SuffixOptions, longest: int, f
     counts: dict[tuple[int, ...], int] = {}
     for follow in follows:
         for d in range(1, len(follow) + 1):
-            counts[tuple(follow[:d])] = counts.get(tuple(follow[:d]), 0) + 1
+            key = tuple(follow[:d])
+            counts[key] = counts.get(key, 0) + 1
     scale = factor / (len(follows) + 1)
-    chosen = sorted(counts, key=lambda path: (-counts[path], len(path)))[: options.pool_nodes]  # parents first
-    chosen = [path for path in chosen if min(counts[path] * scale, 1.0) >= options.min_prob]
+    top = sorted(counts, key=lambda path: (-counts[path], len(path)))[: options.pool_nodes]  # parents first
+    prob = {path: min(counts[path] * scale, 1.0) for path in top}
+    chosen = [path for path in top if prob[path] >= options.min_prob]
     parents = {path[:-1] for path in chosen}
     along = {path: [counts[path[:d]] for d in range(1, len(path) + 1)] for path in chosen if path not in parents}
     leaves = [list(path) for path in sorted(along, key=lambda path: [-c for c in along[path]])]
-    return Continuations(leaves, [min(counts[path] * scale, 1.0) for path in chosen], len(follows), longest)
+    return Continuations(leaves, [prob[path] for path in chosen], len(follows), longest)
 
 
 class SuffixDrafter(LookupDrafter):
@@ -260,10 +262,6 @@ class SuffixDrafter(LookupDrafter):
             return own, None
         pooled = self.pool.lookup(context, self.options)
         return own, pooled if pooled.longest >= self.options.min_match else None
-
-    def record_alone(self, expected: float, accepted: int) -> None:
-        """A tree of the pool's alone (`graft_branches`) expected `expected` nodes accepted; `accepted` were."""
-        self.pool.record(expected, accepted)
 
     def finish(self, context: list[int]) -> None:
         if self.pool is not None:
