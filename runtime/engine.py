@@ -23,7 +23,14 @@ from headstart.heads.checkpoint import CheckpointConfig
 from headstart.heads.kinds import KINDS
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, choose_kernels, cost_curve
 from headstart.runtime.drafters.base import Drafter
-from headstart.runtime.drafters.registry import heads_adapter, heads_dir, make_drafter, option_names, parse_spec
+from headstart.runtime.drafters.registry import (
+    entry,
+    heads_adapter,
+    heads_dir,
+    make_drafter,
+    option_names,
+    parse_spec,
+)
 from headstart.runtime.drafters.together import measure_catch_up, measure_shared
 from headstart.runtime.generate import Chunk, GenerationStats, SharedPrefix, stream
 from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
@@ -159,9 +166,11 @@ class Engine:
 
     def _sizer(self, spec: str, **options: Any) -> LiveSizer | None:
         """The live tree size of `spec` (`tree_choice`), measured and chosen on first use."""
-        base = parse_spec(spec).base
+        parsed = parse_spec(spec)
+        base = parsed.base
         sized = {kind.drafter_name for kind in KINDS.values() if kind.sized}  # drafters whose tree budget is sized here
-        if self.profile is not None or options.get("budget") is not None or base not in sized:
+        given = options.get("budget") is not None or (parsed.value is not None and entry(base).positional == "budget")
+        if self.profile is not None or given or base not in sized:  # `eagle:6`: a budget given in the spec
             return None
         heads = heads_dir(base, options.get("heads"), self.model_name)
         config = CheckpointConfig.find(heads)

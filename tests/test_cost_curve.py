@@ -107,6 +107,10 @@ def test_engine_sizes_trained_heads_unless_told(engine, tiny_drafters):
     drafter = engine.make_drafter("eagle", heads=heads)
     assert (drafter.budget, drafter.depth) == (choice.budget, choice.depth)
     assert engine.make_drafter("eagle", heads=heads, budget=3).budget == 3  # a given budget wins
+    for spec in ("eagle:3", "eagle+lookup:3"):  # a budget given in the spec wins too, and nothing resizes it
+        fixed = engine.make_drafter(spec, heads=heads)
+        heads_of = getattr(fixed, "inner", fixed)
+        assert (heads_of.budget, heads_of.sizer) == (3, None) and engine.tree_choice(spec, heads=heads) is None
     assert engine.tree_choice("lookup") is None
     assert Engine(copy.deepcopy(model), tokenizer, profile="neutral").tree_choice("eagle", heads=heads) is None
 
