@@ -37,7 +37,7 @@ Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents fi
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row counts timed (root + nodes)
 PAST = 256  # cached tokens while timing (a typical chat prompt)
-FORWARD_VERSION = 2  # raise when the target's forward changes its costs, so that cached curves are measured again
+FORWARD_VERSION = 3  # raise when the target's forward changes its costs, so that cached curves are measured again
 TREE_ROWS = tuple(r for r in ROWS if r <= 16)  # the row counts `choose_kernels` compares the kernels over
 
 
@@ -124,13 +124,16 @@ def choose_kernels(target: Target, cache: Path | None) -> str:
 
 
 def _time_fp32_kernels(target: Target) -> dict[str, float]:
-    """ms summed over the TREE_ROWS forwards under each of FP32_KINDS, said on stderr (it takes seconds)."""
+    """ms summed over the TREE_ROWS forwards under each of FP32_KINDS (the median of 3 turns), said on stderr (it
+    takes seconds)."""
     t0 = time.perf_counter()
     print("headstart: timing the float32 kernels on this CPU (once; cached)", file=sys.stderr, flush=True)
-    costs = {}
-    for kind in FP32_KINDS:
-        target.use_kernels(kind)
-        costs[kind] = sum(measure_cost_curve(target, reps=3, rows_timed=TREE_ROWS).values())
+    times: dict[str, list[float]] = {kind: [] for kind in FP32_KINDS}
+    for _ in range(3):  # the kinds in turn, three times: a machine that drifts while one is timed moves both
+        for kind in FP32_KINDS:
+            target.use_kernels(kind)
+            times[kind].append(sum(measure_cost_curve(target, reps=1, rows_timed=TREE_ROWS).values()))
+    costs = {kind: statistics.median(t) for kind, t in times.items()}
     said = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in costs.items())
     print(
         f"headstart: {len(TREE_ROWS)} forwards of 1-16 rows: {said} -> {min(costs, key=costs.get)} "

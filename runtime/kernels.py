@@ -9,18 +9,22 @@ pass does, without compiling anything):
 - bfloat16: one oneDNN-packed copy serves every row count (AMX / AVX-512 BF16 kernels; a CPU without
   AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2 only, has no such kernels and keeps the stock ones);
 - float32, two kinds (`FP32_KINDS`): MKL's packed GEMM ("mkl", the default), which is packed for one row
-  count: a copy per bucket of `ROW_BUCKETS`, and `Target.verify` pads a tree to the next bucket; one row keeps
-  the stock kernel (a GEMV reads the plain layout best), and so do row counts past the last bucket. Or
-  oneDNN's ("onednn"), one copy for every row count, as in bfloat16. Which is cheaper depends on the CPU:
-  `runtime/cost_curve.choose_kernels` times both on the whole target once per machine (an AVX2-only AMD EPYC:
-  oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 / 8 rows, MKL 69 / 112 / 112 / 154).
+  count: a copy per bucket of `ROW_BUCKETS`, and `Target.verify` pads a tree to the next bucket; one or two rows
+  keep the stock kernel (a GEMV reads the plain layout best), and any other count (several sequences' trees
+  packed end to end, a prompt) reads one more copy packed by oneDNN. Or oneDNN's ("onednn"), one copy for every
+  row count, as in bfloat16. Which is cheaper depends on the CPU: `runtime/cost_curve.choose_kernels` times
+  both on the whole target once per machine (an AVX2-only AMD EPYC: oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 /
+  8 rows, MKL 69 / 112 / 112 / 154). On a 2-core Intel Xeon with AMX, the linear layers of one SmolLM2-135M
+  forward (30 layers' and the lm_head's, ms by rows): stock 28.6 / 31.0 / 46.9 / 59.0 / 75.7 / 77.6 / 98.3 /
+  539.9 for 1 / 2 / 4 / 8 / 16 / 17 / 32 / 300 rows, oneDNN 37.0 / 39.8 / 41.7 / 47.7 / 58.6 / 65.1 / 87.2 /
+  491.1, MKL's packs 35.3 / 41.0 / 49.2 at 4 / 8 / 16: each count's cheapest is the one "mkl" now takes.
 
 Measured on an earlier round's 2-core CPU with AVX-512 (SmolLM2-135M, 256 cached tokens, ms per forward): float32
 1 / 4 / 8 / 16 rows 44.8 / 68.4 / 82.3 / 96.3 stock, 45.0 / 59.0 / 63.7 / 74.9 packed; bfloat16 50.9 / 59.6 /
 61.6 / 64.4 stock, 40.8 / 47.0 / 51.7 / 57.1 packed. The original weight stays the module's `weight` (tied
 embeddings and drafters that read `lm_head.weight` see no change); results equal the stock kernel's to float
-rounding. Memory: a packed copy of every linear weight for oneDNN, one per row bucket for MKL (3x the
-weights; packing is skipped when the copies would take more than half the memory available). Packing takes
+rounding. Memory: a packed copy of every linear weight for oneDNN, one per row bucket and a oneDNN one for MKL
+(4x the weights; packing is skipped when the copies would take more than half the memory available). Packing takes
 0.2-0.3 s for SmolLM2-135M and is redone at each load (reading a cached copy would cost as much). CPU only
 (CUDA kernels need no packing; CUDA graphs, the GPU's tool against launch overhead, are not built yet),
 inference only.
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROW_BUCKETS = (4, 8, 16)  # float32: the row counts MKL's packed weights are made for (a copy each)
+STOCK_ROWS = 2  # float32 under "mkl": up to this many rows the stock kernel (a GEMV) is the cheapest
 FP32_KINDS = ("mkl", "onednn")  # float32's packings, the default first
 ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layout for
 
@@ -90,11 +95,22 @@ class PackedLinear(nn.Linear):
         new.out_features, new.in_features = weight.shape
         new.weight, new.bias, new.kind = weight, bias, kind
         w = weight.detach()
-        if kind == "onednn":
-            new.packs = {0: torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)}
-        else:
+        new.packs = {}  # rows -> MKL's copy packed for that count; 0 -> oneDNN's copy, for any count
+        if kind == "mkl":
             new.packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in ROW_BUCKETS}
+        if kind == "onednn" or torch.backends.mkldnn.is_available():
+            new.packs[0] = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
         return new
+
+    def kernel(self, rows: int) -> str:
+        """Which kernel a product over `rows` rows runs: "onednn", "mkl" (a row bucket's pack) or "stock"."""
+        if self.kind == "onednn":
+            return "onednn"
+        if rows <= STOCK_ROWS:
+            return "stock"
+        if rows in self.packs:
+            return "mkl"
+        return "onednn" if 0 in self.packs else "stock"
 
     def __deepcopy__(self, memo: dict) -> nn.Linear:
         """A copy is a plain `nn.Linear` (packed tensors are opaque to copying; a copy may be trained or moved)."""
@@ -108,10 +124,11 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # training: the stock kernel, which autograd knows
             return F.linear(x, self.weight, self.bias)
-        if self.kind == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packs[0], self.bias, "none", [], "")
         rows = x.numel() // x.shape[-1]
-        if rows in self.packs:
+        kernel = self.kernel(rows)
+        if kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packs[0], self.bias, "none", [], "")
+        if kernel == "mkl":
             return torch.ops.mkl._mkl_linear(x, self.packs[rows], self.weight, self.bias, rows)
         return F.linear(x, self.weight, self.bias)
 
@@ -152,12 +169,13 @@ def prepack_like_target(target_lm_head: nn.Module, heads: nn.Module, readout) ->
 
 def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
     """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, where
-    the model suits a packing and its packed copies (one for "onednn", one per row bucket for "mkl") take at most
-    half the memory available. `kind`: one of `FP32_KINDS` for a float32 model (None: the default)."""
+    the model suits a packing and its packed copies (one for "onednn", one per row bucket and a oneDNN one for
+    "mkl") take at most half the memory available. `kind`: one of `FP32_KINDS` for a float32 model (None: the
+    default)."""
     kind = _chosen(_packing(model), kind, next(model.parameters()).dtype)
     if kind == "none":
         return Prepacked()
-    copies = 1 if kind == "onednn" else len(ROW_BUCKETS)
+    copies = 1 if kind == "onednn" else len(ROW_BUCKETS) + torch.backends.mkldnn.is_available()
     linears = (nn.Linear, PackedLinear)
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) in linears)
     available = _available_bytes()

@@ -77,6 +77,23 @@ def test_the_float32_kernels_are_chosen_by_their_measured_cost_and_the_choice_ca
     assert curves.choose_kernels(Target(tiny_llama(vocab_size=64), fast=False), tmp_path) == "none"
 
 
+def test_the_float32_kernels_are_timed_in_turn_so_drift_hits_both(monkeypatch):
+    """The machine slows down while the kinds are timed (a neighbour starts): timed one after the other, the
+    second kind took the whole slowdown and lost though it is the cheaper one (oneDNN chosen on a 2-core Xeon
+    where MKL is cheaper at every count up to 16 rows: 1.1x slower plain decoding, served)."""
+    target = Target(tiny_llama(vocab_size=64))
+    order, clock = [], iter(range(100))
+
+    def timed(target, reps, rows_timed):  # MKL 10 % cheaper; every call 30 % dearer than the one before
+        order.append(target.packed.kind)
+        slow = 1.3 ** next(clock)
+        return {rows: slow * (0.9 if target.packed.kind == "mkl" else 1.0) for rows in rows_timed}
+
+    monkeypatch.setattr(curves, "measure_cost_curve", timed)
+    assert curves.choose_kernels(target, None) == "mkl"
+    assert order[:4] == ["mkl", "onednn", "mkl", "onednn"]
+
+
 def test_a_bfloat16_target_keeps_onednn_beside_a_cached_float32_choice(tmp_path, monkeypatch):
     """A bfloat16 target packs as oneDNN; the float32 choice (MKL here) must not reach it: on an AVX-512 CPU a bf16
     load after a float32 one once repacked the bf16 weights for MKL, which takes float32 only, and raised. (The

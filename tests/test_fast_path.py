@@ -111,8 +111,14 @@ def test_packed_linears_equal_the_stock_ones():
     plain = copy.deepcopy(model)  # a copy is a plain model again
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
     assert plain.lm_head.weight is plain.model.embed_tokens.weight or not model.config.tie_word_embeddings
+    # float32 under MKL: one or two rows the stock GEMV, a row bucket MKL's pack, any other count oneDNN's (a tree
+    # padded to no bucket: several sequences' rows packed end to end, a prompt's chunk)
+    lm_head = model.lm_head
+    assert [lm_head.kernel(rows) for rows in (1, 2, 3, 4, 5, 8, 16, 17, 300)] == [
+        "stock", "stock", "onednn", "mkl", "onednn", "mkl", "mkl", "onednn", "onednn"
+    ]  # fmt: skip
     with torch.inference_mode():
-        for rows in (1, 3, 4, 5, 8):  # the stock kernel, MKL's packed ones (4, 8), the stock one again
+        for rows in (1, 3, 4, 5, 8, 17):
             x = torch.randn(rows, model.config.hidden_size)
             torch.testing.assert_close(model.lm_head(x), x @ model.lm_head.weight.T, atol=1e-5, rtol=0)
 
