@@ -1,8 +1,10 @@
-"""The serving bench's snapshots: a process started as the bench starts its servers imports the snapshot's code,
-not the checkout's (from the checkout's root, `python -c` imported the working tree whatever PYTHONPATH said)."""
+"""The serving bench: a process started as the bench starts its servers imports the snapshot's code, not the
+checkout's (from the checkout's root, `python -c` imported the working tree whatever PYTHONPATH said); repeated
+levels take prompts of their own and pool their tokens."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +26,20 @@ def test_a_snapshots_processes_import_the_snapshot(tmp_path):
     )
     files = out.stdout.split()
     assert len(files) == 2 and all(Path(f).resolve().is_relative_to(tmp_path.resolve()) for f in files), files
+
+
+def test_repeats_take_prompts_of_their_own_and_pool_their_tokens(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"id": "{i}"}}\n' for i in range(6)))
+    again = Path(serve_bench.rotated(str(prompts), 4, tmp_path)).read_text().splitlines()
+    assert [json.loads(line)["id"] for line in again] == ["4", "5", "0", "1", "2", "3"]
+    runs = [  # 100 tokens in 2 s, then 100 in 1 s: 200 in 3 s
+        {"server": "a", "clients": 2, "tokens_per_s": 50.0, "wall_s": 2.0, "p50_ttft_s": 0.4},
+        {"server": "a", "clients": 2, "tokens_per_s": 100.0, "wall_s": 1.0, "p50_ttft_s": 0.2},
+    ]
+    row = serve_bench.pooled(runs)
+    assert row["tokens_per_s"] == pytest.approx(200 / 3) and row["p50_ttft_s"] == pytest.approx(0.3)
+    assert (row["server"], row["clients"], row["repeat_tokens_per_s"]) == ("a", 2, [50.0, 100.0])
+    assert "66.7 (50.0 / 100.0)" in serve_bench.table(
+        [{**row, "steady_tokens_per_s": 0.0, "p50_request_tokens_per_s": 0.0, "p95_ttft_s": 0.0}]
+    )

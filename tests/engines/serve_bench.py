@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/engines/serve_bench.py --vllm-python .venv-vllm/bin/python [--prompts FILE]
         [--clients 1,2,4,8,16,32] [--requests-per-client 4] [--max-tokens 64] [--dtype float32|auto]
-        [--baseline REV] [--tree-budget N] [--skip-vllm] [--doc docs/benchmarks.md]
+        [--baseline REV] [--tree-budget N] [--repeats R] [--skip-vllm] [--doc docs/benchmarks.md]
 
 T = 0, chat prompts: by default the first 64 committed held-out prompts (configs/heldout-ids.txt, in
 ../shared/data/train/prompts.jsonl). headstart runs from a snapshot of the commit HEAD names (`git archive`), so
@@ -101,23 +101,47 @@ class Server(NamedTuple):
     clients: str  # the concurrency levels it is load-tested at
 
 
-def load(server: Server, clients: str, args) -> list[dict]:
+def load(server: Server, clients: str, args, prompts: str) -> list[dict]:
     """`headstart loadtest` (this bench's own: one client for every server, a baseline's included) against the
-    running `server` at `clients`."""
+    running `server` at `clients`, with the prompts of the file `prompts`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "load.json"
         run = [sys.executable, "-c", CLI, "loadtest", "--url", f"http://127.0.0.1:{server.port}", "--clients", clients]
         run += ["--max-tokens", str(args.max_tokens), "--requests-per-client", str(args.requests_per_client)]
-        run += ["--prompts", args.prompts, "--out", str(out)]
+        run += ["--prompts", prompts, "--out", str(out)]
         subprocess.run(run, check=True, stdout=subprocess.DEVNULL, **child(dict(os.environ)))
         return [{"server": server.label, **r} for r in json.loads(out.read_text())["levels"]]
+
+
+def rotated(prompts: str, by: int, tmp: Path) -> str:
+    """A copy of the prompt file `prompts` starting `by` lines in (the lines before it at the end)."""
+    lines = Path(prompts).read_text().splitlines(keepends=True)
+    path = tmp / f"prompts-{by}.jsonl"
+    path.write_text("".join(lines[by:] + lines[:by]))
+    return str(path)
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One row for a server's repeats of a level: tok/s over their tokens and seconds together, the other figures
+    their mean, and each repeat's tok/s (`repeat_tokens_per_s`)."""
+    row = {k: v for k, v in runs[0].items() if not isinstance(v, float)}
+    for key in [k for k, v in runs[0].items() if isinstance(v, float)]:
+        row[key] = sum(r[key] for r in runs) / len(runs)
+    wall = sum(r["wall_s"] for r in runs)
+    row["tokens_per_s"] = sum(r["tokens_per_s"] * r["wall_s"] for r in runs) / wall
+    row["repeat_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+    return row
 
 
 def measure(servers: list[Server], args) -> list[dict]:
     """Start every server (one after another, each ready before the next starts), then load-test them level by
     level, each server in turn at a level before any goes to the next: the ratios between them are taken minutes
-    apart, not a whole run (the machine's speed drifts by ~10 % over a run). Idle, a server waits on its queue."""
-    procs, rows = [], []
+    apart, not a whole run (the machine's speed drifts by ~10 % over a run). With `args.repeats` R > 1 each level
+    runs R times, the servers' order reversed every other time (a drift within the level hits them alike), each
+    time on prompts of its own (the file rotated by the level's most requests, so no repeat finds an earlier one's
+    prompts in a prefix cache, and the levels re-send within a repeat as with one); a server's row pools its
+    repeats (`pooled`). Idle, a server waits on its queue."""
+    procs, runs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for i, server in enumerate(servers):
@@ -131,17 +155,22 @@ def measure(servers: list[Server], args) -> list[dict]:
                 procs.append((proc, log))
                 wait_ready(f"http://127.0.0.1:{server.port}", proc)
             levels = sorted({int(c) for server in servers for c in server.clients.split(",")})
+            stride = max(levels) * args.requests_per_client
+            prompts = [rotated(args.prompts, r * stride, Path(tmp)) for r in range(args.repeats)]
             for level in levels:
-                for server in servers:
-                    if str(level) in server.clients.split(","):
-                        rows += load(server, str(level), args)
-                        print(f"{server.label}: {level} clients {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+                at = [server for server in servers if str(level) in server.clients.split(",")]
+                for r in range(args.repeats):
+                    for server in at if r % 2 == 0 else at[::-1]:
+                        got = load(server, str(level), args, prompts[r])
+                        runs.setdefault((server.label, level), []).extend(got)
+                        print(f"{server.label}: {level} clients {got[-1]['tokens_per_s']:.1f} tok/s", flush=True)
         finally:
             for proc, log in procs:
                 proc.terminate()
                 proc.wait(timeout=60)
                 log.close()
     order = [server.label for server in servers]
+    rows = [pooled(got) for got in runs.values()]
     return sorted(rows, key=lambda r: (order.index(r["server"]), r["clients"]))
 
 
@@ -185,8 +214,10 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         spec = r.get("speculated_share", 0.0)  # a headstart server's sequence-rounds with a tree, and their nodes
+        each = r.get("repeat_tokens_per_s", [])
+        rate = f"{r['tokens_per_s']:.1f}" + (f" ({' / '.join(f'{x:.1f}' for x in each)})" if len(each) > 1 else "")
         lines.append(
-            f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['steady_tokens_per_s']:.1f} | "
+            f"| {r['server']} | {r['clients']} | {rate} | {r['steady_tokens_per_s']:.1f} | "
             f"{r['p50_request_tokens_per_s']:.1f} | {r['p50_ttft_s']:.2f} | {r['p95_ttft_s']:.2f} | "
             + (f"{spec:.0%} | {r['nodes_per_speculating']:.1f} |" if spec else "– | – |")
             + f" {r.get('prefix_cache_hit_share', 0.0):.0%} |"
@@ -220,6 +251,7 @@ def main() -> int:
     p.add_argument("--prompts", default=None, help="JSONL chat prompts ({'id', 'turns'} a line)")
     p.add_argument("--clients", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1, help="each level this many times, on prompts of its own")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "auto"], help="headstart's (vLLM: float32)")
     p.add_argument("--baseline", default=None, metavar="REV", help="also this commit's server, plain, at 1 client")
@@ -230,9 +262,12 @@ def main() -> int:
     if os.sep in args.vllm_python:  # a path: absolute (not resolved: a venv's python is a link), run elsewhere
         args.vllm_python = str(Path(args.vllm_python).absolute())
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    needed = args.repeats * max(int(c) for c in args.clients.split(",")) * args.requests_per_client
     if args.prompts is None:
         args.prompts = str(tmp / "heldout-chat.jsonl")
-        write_heldout(Path(args.prompts))
+        write_heldout(Path(args.prompts), max(64, needed))
+    if args.repeats > 1 and len(Path(args.prompts).read_text().splitlines()) < needed:
+        raise SystemExit(f"--repeats {args.repeats} needs {needed} prompts (a repeat's own for each request)")
     args.prompts = str(Path(args.prompts).resolve())  # the processes run outside the checkout (`child`)
     commit, env = snapshot("HEAD", tmp)
     model = str(resolve_model_dir(NAME))
