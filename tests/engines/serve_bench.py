@@ -282,15 +282,11 @@ def main() -> int:
     headstart = [
         Server(f"headstart plain ({commit})", ours("none", 8002), 8002, env, args.clients),
         Server(f"headstart eagle+lookup ({commit})", ours("eagle+lookup", 8003), 8003, env, args.clients),
-        # levels re-send earlier levels' prompts, which a prefix cache finds: the plain rate without one beside
-        Server(
-            f"headstart plain, no prefix cache ({commit})",
-            ours("none", 8007, "--prefix-cache-gb", "0"),
-            8007,
-            env,
-            "1,16",
-        ),
     ]
+    uncached = ",".join(c for c in ("1", "16") if c in args.clients.split(","))
+    if uncached:  # levels re-send earlier levels' prompts, which a prefix cache finds: the plain rate without one
+        label, command = f"headstart plain, no prefix cache ({commit})", ours("none", 8007, "--prefix-cache-gb", "0")
+        headstart.append(Server(label, command, 8007, env, uncached))
     if args.tree_budget:  # every request drafts this tree whatever the load (a switch that never turns it off)
         fixed = ours("eagle+lookup", 8004, "--tree-budget", str(args.tree_budget), "--speculate-up-to", "1024")
         label = f"headstart eagle+lookup, {args.tree_budget}-node tree always ({commit})"
