@@ -17,7 +17,10 @@ pass does, without compiling anything):
   8 rows, MKL 69 / 112 / 112 / 154). On a 2-core Intel Xeon with AMX, the linear layers of one SmolLM2-135M
   forward (30 layers' and the lm_head's, ms by rows): stock 28.6 / 31.0 / 46.9 / 59.0 / 75.7 / 77.6 / 98.3 /
   539.9 for 1 / 2 / 4 / 8 / 16 / 17 / 32 / 300 rows, oneDNN 37.0 / 39.8 / 41.7 / 47.7 / 58.6 / 65.1 / 87.2 /
-  491.1, MKL's packs 35.3 / 41.0 / 49.2 at 4 / 8 / 16: each count's cheapest is the one "mkl" now takes.
+  491.1, MKL's packs 35.3 / 41.0 / 49.2 at 4 / 8 / 16: each count's cheapest is the one "mkl" now takes. Past
+  16 rows (several sequences' trees) MKL's packs stay the cheapest: another run, 16 / 24 / 32 / 48 rows, stock
+  42.3 / 48.5 / 54.6 / 65.8, oneDNN 38.5 / 45.5 / 55.2 / 68.9, MKL 34.4 / 40.1 / 45.2 / 54.9; hence a bucket of 32
+  (`Target.verify_batch` pads a batch's trees to a bucket too).
 
 Measured on an earlier round's 2-core CPU with AVX-512 (SmolLM2-135M, 256 cached tokens, ms per forward): float32
 1 / 4 / 8 / 16 rows 44.8 / 68.4 / 82.3 / 96.3 stock, 45.0 / 59.0 / 63.7 / 74.9 packed; bfloat16 50.9 / 59.6 /
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROW_BUCKETS = (4, 8, 16)  # float32: the row counts MKL's packed weights are made for (a copy each)
+ROW_BUCKETS = (4, 8, 16, 32)  # float32: the row counts MKL's packed weights are made for (a copy each)
 STOCK_ROWS = 2  # float32 under "mkl": up to this many rows the stock kernel (a GEMV) is the cheapest
 FP32_KINDS = ("mkl", "onednn")  # float32's packings, the default first
 ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layout for

@@ -170,6 +170,27 @@ class Target:
             return tree
         return DraftTree([*tree.tokens, *[0] * (bucket - rows)], [*tree.parents, *[-1] * (bucket - rows)])
 
+    def _padded_batch(self, trees: list[DraftTree]) -> list[DraftTree]:
+        """`_padded` for a batch's trees (slots 0, 1, ...): dummy root children up to the next row bucket of all
+        their rows together, given to the shortest trees first and no tree past the widest while others are
+        narrower (attention reads every tree padded to the widest). Plain steps stay as they are."""
+        total = sum(len(t) + 1 for t in trees)
+        bucket = next((b for b in self.packed.row_buckets if b >= total), total)
+        if bucket == total or not any(len(t) for t in trees):
+            return trees
+        extra, need, widest = [0] * len(trees), bucket - total, max(len(t) for t in trees)
+        for i in sorted(range(len(trees)), key=lambda i: len(trees[i])):
+            extra[i] = min(need, widest - len(trees[i]))
+            need -= extra[i]
+        for i in range(need):  # every tree as wide as the widest: one row more each, in turn
+            extra[i % len(trees)] += 1
+        if any(past + len(t) + 1 + e > self.max_len for past, t, e in zip(self.lengths, trees, extra, strict=False)):
+            return trees
+        return [
+            DraftTree([*t.tokens, *[0] * e], [*t.parents, *[-1] * e]) if e else t
+            for t, e in zip(trees, extra, strict=True)
+        ]
+
     @torch.inference_mode()
     def verify(self, root: int, tree: DraftTree, layers: tuple[int, ...] = (-1,), slot: int = 0) -> Verified:
         """Score the root and every node of `tree` in one forward: (n+1) rows of logits and features. The slot's
@@ -223,6 +244,7 @@ class Target:
             return [self.verify(roots[0], trees[0], layers)]
         if prefills and not self.mixes_prefill:
             raise ValueError("prefills ride in a round only with the fast path's attention and no sliding window")
+        given, trees = trees, trees if prefills else self._padded_batch(trees)
         r, q = len(roots), max(len(t) for t in trees) + 1
         # rows each sequence feeds: its own where trees differ in size and the attention unpacks; else all q (plain
         # batched steps, equal trees: packed and padded rows are then the same rows, without the index work)
@@ -275,7 +297,7 @@ class Target:
         lm_head_s = self._lm_head_s()
         verified = [
             Verified(logits[i][: len(t) + 1], None if hidden is None else hidden[i][: len(t) + 1], mask_s, lm_head_s)
-            for i, t in enumerate(trees)
+            for i, t in enumerate(given)
         ]
         last = iter(logits[r:])
         for i, p in enumerate(prefills):

@@ -278,3 +278,37 @@ def test_a_batch_packed_end_to_end_scores_as_padded_and_writes_only_its_rows(mon
             assert lp.shape == lq.shape
             torch.testing.assert_close(lp, lq, atol=1e-10, rtol=0)
             torch.testing.assert_close(hp, hq, atol=1e-10, rtol=0)
+
+
+def test_float32_trees_of_a_batch_are_padded_to_a_row_bucket_and_score_as_unpadded():
+    """Under MKL's packs (float32) a batch's rows are padded to the next row bucket, as one sequence's tree is: the
+    trees of 0, 3 and 1 nodes (7 rows) feed 8, the shortest tree taking the dummy row (a root child that nothing
+    reads and `commit` drops), so the forward reads a packed weight; every sequence's logits are the stock
+    target's, and the caches hold the same after each commit."""
+    trees = [DraftTree(), DraftTree([4, 5, 6], [-1, 0, -1]), DraftTree([7], [-1])]
+    prompts = [PROMPT, PROMPT[:4], [3, 3, 8, 1, 9, 2, 6]]
+    rows_seen: list[int] = []
+    got = {}
+    for fast in (False, True):
+        torch.manual_seed(0)
+        model = tiny_llama(vocab_size=64, init_std=0.2)
+        target = Target(model, fast=fast, slots=3)
+        if fast:
+            target.use_kernels("mkl")
+            hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: rows_seen.append(a[0].shape[1]))
+        for slot, p in enumerate(prompts):
+            target.prefill(p, slot=slot)
+        rounds = []
+        for step in range(3):
+            rounds.append([v.logits for v in target.verify_batch([11, 12, 13], trees, layers=(-1,))])
+            for slot, path in enumerate([[], [[2], [0, 1], [0]][step], [0]]):
+                target.commit(path, slot)
+        got[fast] = (rounds, list(target.lengths))
+        if fast:
+            hook.remove()
+    assert rows_seen[-3:] == [8, 8, 8]  # 7 rows padded to MKL's bucket of 8
+    assert got[True][1] == got[False][1]
+    for fast_round, stock_round in zip(got[True][0], got[False][0], strict=True):
+        for lp, lq in zip(fast_round, stock_round, strict=True):
+            assert lp.shape == lq.shape
+            torch.testing.assert_close(lp, lq, atol=1e-5, rtol=0)
