@@ -84,7 +84,9 @@ bench-vllm: install $(VLLM_VENV)/.installed
 # docs/serving.md (tests/engines/serve_bench.py; vLLM before and after headstart)
 # headstart served in float32 and in its default dtype (auto), vLLM in float32 in both; table + chart per dtype
 # (eagle+lookup also with a fixed tree of SERVE_TREE nodes; vLLM also with the exported EAGLE-3 head, a chain of 3)
-SERVE_TREE ?= 6
+# 3 nodes: on a 2-core Intel Xeon in float32 (in-process, the bench's levels) 2 / 3 / 4 nodes made 1.18x / 1.29x / 1.32x
+# plain at 1 client, 1.34x / 1.39x / 1.27x at 2, 1.18x / 1.17x / 1.09x at 4; served, 6 nodes made 1.14x at 4
+SERVE_TREE ?= 3
 bench-serve: install $(VLLM_VENV)/.installed
 	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype float32 --tree-budget $(SERVE_TREE) $(SERVE_BENCH_ARGS)
 	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype auto --skip-vllm --tree-budget $(SERVE_TREE) $(SERVE_BENCH_ARGS)
