@@ -27,7 +27,7 @@ Measured on an earlier round's 2-core CPU with AVX-512 (SmolLM2-135M, 256 cached
 61.6 / 64.4 stock, 40.8 / 47.0 / 51.7 / 57.1 packed. The original weight stays the module's `weight` (tied
 embeddings and drafters that read `lm_head.weight` see no change); results equal the stock kernel's to float
 rounding. Memory: a packed copy of every linear weight for oneDNN, one per row bucket and a oneDNN one for MKL
-(4x the weights; packing is skipped when the copies would take more than half the memory available). Packing takes
+(5x the weights; packing is skipped when the copies would take more than half the memory available). Packing takes
 0.2-0.3 s for SmolLM2-135M and is redone at each load (reading a cached copy would cost as much). CPU only
 (CUDA kernels need no packing; CUDA graphs, the GPU's tool against launch overhead, are not built yet),
 inference only.
