@@ -266,7 +266,9 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
 def test_a_checkpoint_written_before_the_recipe_split_resumes_after_it(tmp_path, tiny_model_dir, kind):
     """tests/data/presplit/KIND: step 3 of the kill-and-resume run above, written by train/heads.py as it was
     before the Trainer, the warm starts and the recipe left it (Accelerate's state files as they were saved).
-    The recipe now resumes it at step 3 and ends with the weights of a run that was never stopped."""
+    The recipe now resumes it at step 3 and ends with the weights of a run that was never stopped: bit for bit on
+    the CPU kind that wrote it (an AMD EPYC), within one bfloat16 step elsewhere, where the unstopped run's first 3
+    steps round differently (on an Intel Xeon: 6 of 16 tensors one step apart, e.g. 4.9e-4 at 0.12)."""
     lora = {"heads.lora.r": 4, "heads.lora.lr": 0.01} if kind == "medusa2" else {}
     recipe.run(make_cfg(tmp_path / "a", tiny_model_dir, kind, **lora))
     cfg = make_cfg(tmp_path / "b", tiny_model_dir, kind, **lora)
@@ -278,8 +280,8 @@ def test_a_checkpoint_written_before_the_recipe_split_resumes_after_it(tmp_path,
     for f in files:
         expected, resumed = (load_file(tmp_path / run / "out" / "heads" / f) for run in "ab")
         assert expected.keys() == resumed.keys()
-        for name in expected:
-            assert torch.equal(expected[name], resumed[name]), name
+        for name in expected:  # one bfloat16 step: 2**-7 of the value at most (a floor for values near 0)
+            torch.testing.assert_close(resumed[name], expected[name], rtol=2**-7, atol=1e-6, msg=name)
 
 
 def test_init_from_trained_heads_keeps_weights_not_vocabulary(tmp_path, tiny_model_dir):
