@@ -161,19 +161,12 @@ class Target:
         hidden = features(out.hidden_states, layers) if layers else None  # (r, q, F)
         return [None if hidden is None or not c else hidden[i, : len(c)] for i, c in enumerate(chunks)]
 
-    def _padded(self, tree: DraftTree, past: int) -> DraftTree:
-        """`tree` with extra children of the root (token 0) up to the next row bucket of the packed kernels, if
-        any: the model scores them, nothing reads them, and `commit` drops them like any rejected node."""
-        rows = len(tree) + 1
-        bucket = next((b for b in self.packed.row_buckets if b >= rows), rows) if len(tree) else rows
-        if bucket == rows or past + bucket > self.max_len:
-            return tree
-        return DraftTree([*tree.tokens, *[0] * (bucket - rows)], [*tree.parents, *[-1] * (bucket - rows)])
-
-    def _padded_batch(self, trees: list[DraftTree]) -> list[DraftTree]:
-        """`_padded` for a batch's trees (slots 0, 1, ...): dummy root children up to the next row bucket of all
-        their rows together, given to the shortest trees first and no tree past the widest while others are
-        narrower (attention reads every tree padded to the widest). Plain steps stay as they are."""
+    def _padded(self, trees: list[DraftTree], pasts: list[int]) -> list[DraftTree]:
+        """`trees` (cached `pasts` tokens before each) with extra children of the root (token 0) up to the next row
+        bucket of the packed kernels, if any, for all their rows together: the model scores them, nothing reads
+        them, and `commit` drops them like any rejected node. They go to the shortest trees first, none past the
+        widest while others are narrower (attention reads every tree padded to the widest). Plain steps stay as
+        they are."""
         total = sum(len(t) + 1 for t in trees)
         bucket = next((b for b in self.packed.row_buckets if b >= total), total)
         if bucket == total or not any(len(t) for t in trees):
@@ -184,7 +177,7 @@ class Target:
             need -= extra[i]
         for i in range(need):  # every tree as wide as the widest: one row more each, in turn
             extra[i % len(trees)] += 1
-        if any(past + len(t) + 1 + e > self.max_len for past, t, e in zip(self.lengths, trees, extra, strict=False)):
+        if any(past + len(t) + 1 + e > self.max_len for past, t, e in zip(pasts, trees, extra, strict=True)):
             return trees
         return [
             DraftTree([*t.tokens, *[0] * e], [*t.parents, *[-1] * e]) if e else t
@@ -196,7 +189,7 @@ class Target:
         """Score the root and every node of `tree` in one forward: (n+1) rows of logits and features. The slot's
         cache grows by the rows fed (n + 1, or a padded count) until `commit`."""
         past, n = self.lengths[slot], len(tree)
-        tree = self._padded(tree, past)
+        tree = self._padded([tree], [past])[0]
         rows = len(tree) + 1
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)  # (1, rows)
         t0 = time.perf_counter()
@@ -244,7 +237,7 @@ class Target:
             return [self.verify(roots[0], trees[0], layers)]
         if prefills and not self.mixes_prefill:
             raise ValueError("prefills ride in a round only with the fast path's attention and no sliding window")
-        given, trees = trees, trees if prefills else self._padded_batch(trees)
+        given, trees = trees, trees if prefills else self._padded(trees, self.lengths[: len(trees)])
         r, q = len(roots), max(len(t) for t in trees) + 1
         # rows each sequence feeds: its own where trees differ in size and the attention unpacks; else all q (plain
         # batched steps, equal trees: packed and padded rows are then the same rows, without the index work)
