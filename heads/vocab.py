@@ -63,6 +63,11 @@ class DraftReadout:
     def size(self) -> int:
         return self.weight.shape[0]
 
+    def to(self, dtype: torch.dtype) -> DraftReadout:
+        """This readout with its rows in `dtype` (a copy of them where they are in another)."""
+        self.weight = self.weight.to(dtype)
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             x = self.norm(x)

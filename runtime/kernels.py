@@ -82,6 +82,23 @@ def onednn_bf16_supported() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def head_dtypes(choice: str, target_weight: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(greedy, sampled): the dtypes a draft head runs in for greedy and for sampled decodes under a target whose
+    weights are like `target_weight`; `choice` one of `options.HEAD_DTYPES`. "auto" drafts greedy decodes in bfloat16
+    under a float32 target on a CPU with oneDNN's bf16 kernels, everything else in the target's dtype: a drafting
+    step is bound by reading the head's weights (an EAGLE-3 head for SmolLM2-135M: 37 MB in float32, ~2.5 ms a step
+    on a 2-core Xeon), the head was trained under bfloat16 autocast, and a greedy decode's tokens are the target's
+    whatever the draft. A sampled decode drafts in the target's dtype: exact in any (its q is the one the head
+    computed), but bfloat16 rounds differently at another row count (sequences drafting together), enough to move
+    a draw: its tokens for a seed would then differ alone and in a batch."""
+    own = target_weight.dtype
+    if choice == "auto":
+        cpu_fp32 = target_weight.device.type == "cpu" and own == torch.float32
+        return (torch.bfloat16 if cpu_fp32 and onednn_bf16_supported() else own), own
+    dtype = own if choice == "target" else getattr(torch, choice)
+    return dtype, dtype
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` whose products read a prepacked copy of the weight (see the module docstring)."""
 

@@ -120,7 +120,9 @@ def test_forks_decode_side_by_side(name, tiny_drafters):
 def test_forks_drafting_together_propose_what_each_proposes_alone(name, temperature, tiny_drafters, monkeypatch):
     """Three sequences decoded in one batch twice: their drafters' head forwards batched (one forward per step for
     the three: `together.propose_all`), then each drafting alone (`propose`). Every round proposes the same trees
-    (tokens, parents, and the q of sampled nodes), so the batch decodes the same tokens."""
+    (tokens, parents, and the q of sampled nodes), so the batch decodes the same tokens. The heads run in the
+    target's float32 here: a sequence reads only its own rows either way, but another row count rounds a bfloat16
+    head's products differently, enough to swap two near-tied guesses."""
     import headstart.runtime.generate as generate
     from headstart.runtime.drafters import together
 
@@ -146,7 +148,7 @@ def test_forks_drafting_together_propose_what_each_proposes_alone(name, temperat
             return out
 
         monkeypatch.setattr(generate, "propose_all", recorded)
-        drafter = build(name, tiny_drafters)
+        drafter = build(name, tiny_drafters, head_dtype="target")
         sampling = SamplingParams(temperature=temperature, top_p=0.9)
         requests = [
             Request(list(p), d, sampling, max_new_tokens=20, seed=i)

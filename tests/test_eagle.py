@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from headstart.runtime.drafters.eagle import EagleDrafter
@@ -40,7 +41,8 @@ def test_drafted_features_equal_a_fresh_head_forward():
     """Tree attention inside the head: a drafted node's feature equals the head run on its path alone."""
     model = tiny_llama(vocab_size=64, init_std=0.2)
     head = random_heads("eagle", model, 0.1)
-    drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, EagleOptions(depth=3, top_k=2, budget=50))
+    options = EagleOptions(depth=3, top_k=2, budget=50, head_dtype="target")  # compared with the float32 head below
+    drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, options)
     prompt = [5, 9, 3, 17, 22, 8]
     target = Target(model)
     hidden = target.prefill(prompt[:-1])
@@ -171,3 +173,47 @@ def test_trained_heads_sample_their_tree_above_temperature_zero(tmp_path, tiny_m
         drafter.start(prompt, target.prefill(prompt[:-1]), sampling, seed=0)
         tree = drafter.propose(prompt)
         assert (tree.draft_probs is not None) == sampled and len(tree) == 5
+
+
+def test_head_dtype_auto_drafts_greedy_decodes_in_bfloat16_under_a_float32_target(monkeypatch):
+    """Where the CPU has bf16 kernels; sampled decodes draft in the target's dtype (their draws would round
+    differently alone and in a batch), and so does every decode elsewhere."""
+    import headstart.runtime.kernels as kernels
+
+    model = tiny_llama(vocab_size=64, init_std=0.2)
+    head = random_heads("eagle", model, 0.1)
+    prompt = [5, 9, 3, 17, 22, 8]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for supported, greedy in ((True, bf16), (False, fp32)):
+        monkeypatch.setattr(kernels, "onednn_bf16_supported", lambda supported=supported: supported)
+        drafter = EagleDrafter(head, model.model.embed_tokens, model.lm_head, EagleOptions())
+        hidden = Target(model).prefill(prompt[:-1])
+        for sampling, dtype in ((SamplingParams(0.0), greedy), (SamplingParams(0.8), fp32)):
+            fork = drafter.fork()
+            fork.start(prompt, hidden, sampling, seed=0)
+            assert fork.dtype == dtype and next(fork.head.parameters()).dtype == dtype
+            assert fork.readout.weight.dtype == dtype
+            assert len(fork.propose(prompt)) > 0  # features and embeddings enter in the head's dtype
+    assert next(head.parameters()).dtype == fp32  # the caller's module is left as it was
+    weight = model.lm_head.weight
+    assert kernels.head_dtypes("auto", weight.double()) == (torch.float64, torch.float64)  # a float32 target's only
+    assert kernels.head_dtypes("target", weight) == (fp32, fp32)
+    assert kernels.head_dtypes("bfloat16", weight) == (bf16, bf16)
+    with pytest.raises(ValueError, match="head_dtype must be one of auto, target, float32, bfloat16"):
+        EagleOptions(head_dtype="float16")
+
+
+def test_a_bfloat16_head_drafts_the_float32_heads_tree_away_from_ties():
+    """A random head far from ties: the same tree in either dtype."""
+    model = tiny_llama(vocab_size=64, init_std=0.2)
+    head = random_heads("eagle", model, 0.1)
+    prompt = [5, 9, 3, 17, 22, 8]
+    trees = []
+    for dtype in ("target", "bfloat16"):
+        drafter = EagleDrafter(
+            head, model.model.embed_tokens, model.lm_head, EagleOptions(depth=3, top_k=2, budget=6, head_dtype=dtype)
+        )
+        drafter.start(prompt, Target(model).prefill(prompt[:-1]))
+        tree = drafter.propose(prompt)
+        trees.append((tree.tokens, tree.parents))
+    assert trees[0] == trees[1]

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from headstart.runtime.drafters.options import HEAD_DTYPES
 from headstart.runtime.drafters.registry import names, option_names
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
 from headstart.runtime.profiles import PROFILES
@@ -26,6 +27,7 @@ FLAGS = {
     "draft_layers": "--draft-layers",
     "allow_adapter_mismatch": "--allow-adapter-mismatch",
     "draft_temperature": "--draft-temperature",
+    "head_dtype": "--head-dtype",
     "pool_tokens": "--suffix-pool-tokens",
 }
 
@@ -92,6 +94,13 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="medusa, eagle, eagle3 at T > 0: draw the guesses at the decode's temperature times F "
         "(< 1 sharpens the heads' q; exact at any F; default 1; docs/tuning.md)",
+    )
+    p.add_argument(
+        "--head-dtype",
+        default=None,
+        choices=list(HEAD_DTYPES),
+        help="eagle, eagle3: the head's dtype (default auto: bfloat16 under a float32 target on a CPU with bf16 "
+        "kernels, else the target's; exact in any; docs/tuning.md)",
     )
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")

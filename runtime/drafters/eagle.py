@@ -28,10 +28,14 @@ under q (a function of the path alone: exact).
 With a `sizer` (`runtime.cost_curve.LiveSizer`, set by `Engine.make_drafter` for calibrated heads) the
 drafter reports after every round how many of its own nodes were accepted (grafted lookup nodes not
 counted) and takes the budget, depth or sampled shape the sizer chooses from them (`resize`).
+
+The head may run in another dtype than the target (`head_dtype`; by default greedy decodes draft in bfloat16 under
+a float32 target on a CPU with bf16 kernels: `runtime.kernels.head_dtypes`); features and embeddings enter in it.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -42,13 +46,14 @@ from transformers import DynamicCache
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.masks import causal_after
+from headstart.heads.vocab import DraftReadout
 from headstart.runtime.attention import attend_with_grouped_sdpa
 from headstart.runtime.budget import Offer
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, scale_accuracy
 from headstart.runtime.drafters.base import SamplingDrafter
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.drafters.together import Drafting, HeadStep, drive
-from headstart.runtime.kernels import prepack_like_target
+from headstart.runtime.kernels import head_dtypes, prepack_like_target
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, choose_tree_shape
 
@@ -75,9 +80,16 @@ class EagleDrafter(SamplingDrafter):
         temperature, as a factor on the decode's (`SamplingDrafter`)."""
         o = options or EagleOptions()
         super().__init__(lm_head.weight.device, o.draft_temperature)
-        self.head, self.embed, self.readout = head, embed, head.readout(lm_head, o.draft_vocab)
-        prepack_like_target(lm_head, head, self.readout)  # packed kernels when the target's are
-        attend_with_grouped_sdpa(head)  # it reads packed rows when sequences draft together (`together.py`)
+        self.embed = embed
+        # (head, readout) in each dtype it drafts in: greedy decodes' and sampled decodes' (`head_dtypes`)
+        self.heads: dict[torch.dtype, tuple[nn.Module, DraftReadout]] = {}
+        for dtype in dict.fromkeys(head_dtypes(o.head_dtype, lm_head.weight)):
+            own = head if next(head.parameters()).dtype == dtype else copy.deepcopy(head).to(dtype)  # theirs as is
+            readout = own.readout(lm_head, o.draft_vocab).to(dtype)
+            prepack_like_target(lm_head, own, readout)  # packed kernels when the target's are
+            attend_with_grouped_sdpa(own)  # it reads packed rows when sequences draft together (`together.py`)
+            self.heads[dtype] = (own, readout)
+        self._draft_in(greedy=True)
         self.feature_layers = head.feature_layers
         self.name = name
         self.vocab_size = lm_head.weight.shape[0]
@@ -203,17 +215,25 @@ class EagleDrafter(SamplingDrafter):
         allowed = causal_after(past, n)
         return self._step(features, tokens, torch.arange(past, past + n), allowed, read)
 
+    def _draft_in(self, greedy: bool) -> None:
+        """Draft with the head of a greedy (the first of `heads`) or a sampled decode (the last); features and
+        embeddings enter in its dtype."""
+        dtypes = list(self.heads)
+        self.dtype = dtypes[0] if greedy else dtypes[-1]
+        self.head, self.readout = self.heads[self.dtype]
+
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()
         self._root_feature = None
         self.start_sampling(sampling, seed)
+        self._draft_in(self.sampling.greedy)
         has = prompt_hidden is not None and len(prompt_hidden)
-        self._pending = [(prompt_hidden, list(prompt_ids[1:]))] if has else []  # they enter at the first drafting
+        self._pending = [(prompt_hidden.to(self.dtype), list(prompt_ids[1:]))] if has else []  # at the first drafting
         self._backlog = 0
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         rows = [0, *(i + 1 for i in path)]  # the root and the accepted nodes: their true features
-        self._pending.append((hidden[rows], [*(tree.tokens[i] for i in path), next_token]))  # `propose` commits
+        self._pending.append((hidden[rows].to(self.dtype), [*(tree.tokens[i] for i in path), next_token]))
         self._backlog += len(rows)
         if self.sizer is not None and self._drafted and len(tree):
             ours = next((k for k, node in enumerate(path) if node >= self._drafted), len(path))

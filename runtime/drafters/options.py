@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+HEAD_DTYPES = ("auto", "target", "float32", "bfloat16")  # an EAGLE head's dtype (`runtime.kernels.head_dtype`)
+
 
 def _at_least_one(**values: int) -> None:
     bad = {k: v for k, v in values.items() if v is None or v < 1}
@@ -110,10 +112,13 @@ class EagleOptions(HeadsOptions):
     budget: int = 16  # nodes kept of the dynamic tree (T = 0, or heads without per-rank accuracies)
     min_prob: float = 0.0  # stop growing once the likeliest frontier path is less likely than this (sampled: per node)
     sampled_budget: int = 16  # nodes of the static tree sampled at T > 0
+    head_dtype: str = "auto"  # the head's: one of HEAD_DTYPES (auto: `runtime.kernels.head_dtype`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _at_least_one(depth=self.depth, top_k=self.top_k, budget=self.budget, sampled_budget=self.sampled_budget)
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype must be one of {', '.join(HEAD_DTYPES)}, got {self.head_dtype!r}")
         if not 0 <= self.min_prob < 1:
             raise ValueError(f"min_prob must be in [0, 1), got {self.min_prob}")
 

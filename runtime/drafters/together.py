@@ -53,7 +53,7 @@ Drafting = Generator[HeadStep, tuple[torch.Tensor, torch.Tensor | None], DraftTr
 def run_alone(step: HeadStep) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The head's outputs (n, H) and the logits (read, N) of the last `read` of them, for one sequence."""
     device = step.features.device
-    embeds = step.embed(torch.tensor(step.tokens, device=device))
+    embeds = step.embed(torch.tensor(step.tokens, device=device)).to(step.features.dtype)  # the head's dtype
     mask = additive_mask(step.allowed, step.features.dtype, device)
     out = step.head(step.features[None], embeds[None], step.positions[None].to(device), mask, cache=step.cache)[0]
     return out, step.readout(out[-step.read :]) if step.read else None
@@ -72,7 +72,7 @@ def run_together(steps: list[HeadStep]) -> list[tuple[torch.Tensor, torch.Tensor
     for i, s in enumerate(steps):
         allowed[i, : sizes[i], : s.allowed.shape[1]] = s.allowed
     features = torch.cat([s.features for s in steps])[None]  # (1, N, F)
-    embeds = first.embed(torch.tensor([t for s in steps for t in s.tokens], device=device))[None]  # (1, N, H)
+    embeds = first.embed(torch.tensor([t for s in steps for t in s.tokens], device=device))[None].to(dtype)  # (1,N,H)
     positions = torch.cat([s.positions for s in steps])[None].to(device)  # (1, N)
     cache = _Stacked([s.cache for s in steps], sizes)
     mask = additive_mask(allowed, dtype, device)  # (r, 1, q, kv)
