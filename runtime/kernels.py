@@ -167,7 +167,7 @@ def _chosen(default: str, kind: str | None, dtype: torch.dtype) -> str:
     return kind if interchangeable else default
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
     """MemAvailable of /proc/meminfo (Linux), else None."""
     try:
         with open("/proc/meminfo") as f:
@@ -198,7 +198,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
     copies = 1 if kind == "onednn" else len(ROW_BUCKETS) + torch.backends.mkldnn.is_available()
     linears = (nn.Linear, PackedLinear)
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) in linears)
-    available = _available_bytes()
+    available = available_bytes()
     if available is not None and copies * linear_bytes > available // 2:
         return Prepacked()
     t0 = time.perf_counter()

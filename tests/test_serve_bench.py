@@ -1,6 +1,6 @@
 """The serving bench: a process started as the bench starts its servers imports the snapshot's code, not the
 checkout's (from the checkout's root, `python -c` imported the working tree whatever PYTHONPATH said); repeated
-levels take prompts of their own and pool their tokens."""
+levels take prompts of their own and pool their tokens; a bench short of memory stops rather than time the swap."""
 
 from __future__ import annotations
 
@@ -43,3 +43,10 @@ def test_repeats_take_prompts_of_their_own_and_pool_their_tokens(tmp_path):
     assert "66.7 (50.0 / 100.0)" in serve_bench.table(
         [{**row, "steady_tokens_per_s": 0.0, "p50_request_tokens_per_s": 0.0, "p95_ttft_s": 0.0}]
     )
+
+
+def test_a_bench_short_of_memory_stops_before_it_measures():
+    serve_bench.check_memory(None)  # not Linux: nothing to read
+    serve_bench.check_memory(serve_bench.LEAST_FREE)
+    with pytest.raises(SystemExit, match=r"0\.5 GiB of memory left beside the servers"):
+        serve_bench.check_memory(serve_bench.LEAST_FREE // 2)

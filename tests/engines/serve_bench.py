@@ -37,6 +37,7 @@ import httpx
 from headstart.runtime.apps.bench_report import replace_section
 from headstart.runtime.background import paused
 from headstart.runtime.cost_curve import cpu_name
+from headstart.runtime.kernels import available_bytes
 from headstart.runtime.models import resolve_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,6 +102,19 @@ class Server(NamedTuple):
     clients: str  # the concurrency levels it is load-tested at
 
 
+LEAST_FREE = 2**30  # bytes of memory a measurement needs free beside the servers (a server's RSS grows as it decodes)
+
+
+def check_memory(available: int | None) -> None:
+    """Stop when the running servers left less than LEAST_FREE bytes of memory: a measurement would then time the
+    machine swapping (a float32 server holds ~3.4 GB; a paused training run keeps all of its memory)."""
+    if available is not None and available < LEAST_FREE:
+        raise SystemExit(
+            f"only {available / 2**30:.1f} GiB of memory left beside the servers: the rates would be the swap's; "
+            "stop other jobs (a paused training run keeps its memory) or bench fewer servers"
+        )
+
+
 def load(server: Server, clients: str, args, prompts: str) -> list[dict]:
     """`headstart loadtest` (this bench's own: one client for every server, a baseline's included) against the
     running `server` at `clients`, with the prompts of the file `prompts`."""
@@ -161,6 +175,7 @@ def measure(servers: list[Server], args) -> list[dict]:
                 at = [server for server in servers if str(level) in server.clients.split(",")]
                 for r in range(args.repeats):
                     for server in at if r % 2 == 0 else at[::-1]:
+                        check_memory(available_bytes())
                         got = load(server, str(level), args, prompts[r])
                         runs.setdefault((server.label, level), []).extend(got)
                         print(f"{server.label}: {level} clients {got[-1]['tokens_per_s']:.1f} tok/s", flush=True)
