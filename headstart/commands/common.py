@@ -99,8 +99,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         "--head-dtype",
         default=None,
         choices=list(HEAD_DTYPES),
-        help="eagle, eagle3: the head's dtype (default auto: bfloat16 under a float32 target on a CPU with bf16 "
-        "kernels, else the target's; exact in any; docs/tuning.md)",
+        help="eagle, eagle3: the head's dtype (default auto: greedy decodes draft in bfloat16 under a float32 "
+        "target on a CPU with bf16 kernels, the rest in the target's; exact in any; docs/tuning.md)",
     )
     p.add_argument("--draft-model", default=None, help="model drafter: a small causal LM with the same tokenizer")
     p.add_argument("--draft-layers", default=None, help="layerskip drafter: N first layers, or a list 0,1,2,5")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HEAD_DTYPES = ("auto", "target", "float32", "bfloat16")  # an EAGLE head's dtype (`runtime.kernels.head_dtype`)
+HEAD_DTYPES = ("auto", "target", "float32", "bfloat16")  # an EAGLE head's dtype (`runtime.kernels.head_dtypes`)
 
 
 def _at_least_one(**values: int) -> None:
@@ -112,7 +112,7 @@ class EagleOptions(HeadsOptions):
     budget: int = 16  # nodes kept of the dynamic tree (T = 0, or heads without per-rank accuracies)
     min_prob: float = 0.0  # stop growing once the likeliest frontier path is less likely than this (sampled: per node)
     sampled_budget: int = 16  # nodes of the static tree sampled at T > 0
-    head_dtype: str = "auto"  # the head's: one of HEAD_DTYPES (auto: `runtime.kernels.head_dtype`)
+    head_dtype: str = "auto"  # the head's: one of HEAD_DTYPES (auto: `runtime.kernels.head_dtypes`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
