@@ -81,14 +81,15 @@ class EagleDrafter(SamplingDrafter):
         o = options or EagleOptions()
         super().__init__(lm_head.weight.device, o.draft_temperature)
         self.embed = embed
-        # (head, readout) in each dtype it drafts in: greedy decodes' and sampled decodes' (`head_dtypes`)
-        self.heads: dict[torch.dtype, tuple[nn.Module, DraftReadout]] = {}
-        for dtype in dict.fromkeys(head_dtypes(o.head_dtype, lm_head.weight)):
+        greedy, sampled = head_dtypes(o.head_dtype, lm_head.weight)
+        built: dict[torch.dtype, tuple[torch.dtype, nn.Module, DraftReadout]] = {}
+        for dtype in {greedy, sampled}:
             own = head if next(head.parameters()).dtype == dtype else copy.deepcopy(head).to(dtype)  # theirs as is
             readout = own.readout(lm_head, o.draft_vocab).to(dtype)
             prepack_like_target(lm_head, own, readout)  # packed kernels when the target's are
             attend_with_grouped_sdpa(own)  # it reads packed rows when sequences draft together (`together.py`)
-            self.heads[dtype] = (own, readout)
+            built[dtype] = (dtype, own, readout)
+        self._heads = {True: built[greedy], False: built[sampled]}  # (dtype, head, readout) by greedy or not
         self._draft_in(greedy=True)
         self.feature_layers = head.feature_layers
         self.name = name
@@ -216,11 +217,8 @@ class EagleDrafter(SamplingDrafter):
         return self._step(features, tokens, torch.arange(past, past + n), allowed, read)
 
     def _draft_in(self, greedy: bool) -> None:
-        """Draft with the head of a greedy (the first of `heads`) or a sampled decode (the last); features and
-        embeddings enter in its dtype."""
-        dtypes = list(self.heads)
-        self.dtype = dtypes[0] if greedy else dtypes[-1]
-        self.head, self.readout = self.heads[self.dtype]
+        """Draft with the head of a greedy or of a sampled decode; features and embeddings enter in its dtype."""
+        self.dtype, self.head, self.readout = self._heads[greedy]
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.cache = DynamicCache()

@@ -37,8 +37,8 @@ def drafter_setup(root: Path):
         save_heads(root / kind, heads, kind, HEAD_OPTIONS[kind], fingerprint, extra)
         options[kind] = {"heads": str(root / kind)}
     options["eagle3"]["min_prob"] = 0.3  # the same drafter class as eagle: its trees pruned below min_prob
-    # the heads in the target's float32 (eagle) and in bfloat16 under it (eagle3: `head_dtype` auto's choice on a
-    # CPU with bf16 kernels), whatever the CPU running the tests
+    # the heads in the target's float32 (eagle) and in bfloat16 under it at every temperature (eagle3; auto takes
+    # bfloat16 for greedy decodes on a CPU with bf16 kernels), whatever the CPU running the tests
     options["eagle"]["head_dtype"], options["eagle3"]["head_dtype"] = "target", "bfloat16"
     # draws from a q sharper (eagle3) and flatter (medusa2) than the decode's temperature gives: exact all the same
     options["eagle3"]["draft_temperature"], options["medusa2"]["draft_temperature"] = 0.5, 1.7
