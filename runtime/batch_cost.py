@@ -5,13 +5,17 @@ A forward over B sequences at width w (draft nodes, the widest tree's) feeds R =
 padded to the widest tree, and each row attends the keys of its own sequence, about K = the longest cached
 sequence:
 
-    ms = rows(R) + d * B + c * R * (K - PAST0)
+    ms = rows(R) + d * B + e * B * (K - PAST0) + c * R * (K - PAST0)
 
 rows(R): the rows' share of the forward, linear between the row counts measured (on a CPU far from linear in R:
 16 rows cost ~1.5x one row in bfloat16, the weights read once for all of them); d: a sequence's own share (its
-mask, its attention call); c: one row's attention over one more cached key than PAST0. `measure_batch_cost` times
+mask, its attention call); e: reading one more cached key's keys and values than PAST0, once a sequence whatever
+its rows; c: one row's products with that key. With c alone the cache's reading was charged by the row (float32 on
+a 2-core Xeon: +4.2 ms for 4 plain sequences at 320 cached keys against 64, +3.1 at 7 nodes each): the fit then
+under-charged plain rounds and over-charged trees, and the served budget gave 4 sequences 1-node trees (1.26x plain
+in-process where a fixed 3-node tree made 1.50x). `measure_batch_cost` times
 the target's own forward over a grid of B, w and cached lengths (every sequence at the same width, so packed and
-padded rows are the same rows), fits all three by least squares (no term negative) and keeps the model's worst
+padded rows are the same rows), fits the four by least squares (no term negative) and keeps the model's worst
 relative error over the grid beside them, and at each batch size measured (the budget's margin at that size), so
 a machine the model does not describe shows.
 
@@ -20,7 +24,7 @@ B + N rows for N draft nodes in all, and only attention reads them padded. Then 
 rows(B) plus N times the curve's slope from B rows to B * (w + 1) (exact at no node and at every sequence at the
 full width; where the curve is straight, as here beyond ~4 rows, exact between), the attention term stays padded:
 
-    ms = rows(B) + N * (rows(B (w + 1)) - rows(B)) / (B w) + d * B + c * B (w + 1) * (K - PAST0)
+    ms = rows(B) + N * (rows(B (w + 1)) - rows(B)) / (B w) + d * B + (e * B + c * B (w + 1)) * (K - PAST0)
 
 Cached per model, device, dtype, kernels and torch, as the batch-1 curve is (`cost_curve._key`).
 """
@@ -43,12 +47,12 @@ SEQUENCES = (1, 2, 4, 8, 16)  # batch sizes timed (those that fit the target's s
 WIDTHS = (0, 1, 3, 7, 15)  # draft nodes per sequence timed
 PASTS = (64, 320)  # cached tokens per sequence timed; the first is PAST0
 MAX_ROWS = 128  # grid points feeding more rows are skipped (they would take most of the time)
-MODEL_VERSION = 5  # raise when the model or the grid changes, so that cached fits are measured again
+MODEL_VERSION = 6  # raise when the model or the grid changes, so that cached fits are measured again
 
 
 @dataclass(frozen=True)
 class BatchCost:
-    """ms of one batched verify forward: rows(R) + d * B + c * R * (K - PASTS[0]) (module docstring)."""
+    """ms of one batched verify forward: rows(R) + d * B + (e * B + c * R) * (K - PASTS[0]) (module docstring)."""
 
     rows: dict[int, float]  # R -> ms of the rows' share of a forward over R rows (two points at least)
     c: float  # ms per row and cached key beyond PASTS[0]
@@ -56,6 +60,7 @@ class BatchCost:
     worst_error: float = 0.0  # the model's largest |model - measured| / measured over the grid it was fitted on
     errors: dict[int, float] = field(default_factory=dict)  # sequences -> the largest error at that many
     packed: bool = False  # the target packs tree rows end to end: a node costs its own row only (module docstring)
+    e: float = 0.0  # ms per sequence and cached key beyond PASTS[0] (its keys and values read, whatever its rows)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", {int(r): float(ms) for r, ms in sorted(self.rows.items())})
@@ -82,7 +87,7 @@ class BatchCost:
     def base_ms(self, sequences: int, width: int, longest: int) -> float:
         """The forward at this width before its draft nodes' own rows: padded, all of it (`node_ms` is 0)."""
         full = sequences * (width + 1)
-        attention = self.d * sequences + self.c * full * max(longest - PASTS[0], 0)
+        attention = self.d * sequences + (self.e * sequences + self.c * full) * max(longest - PASTS[0], 0)
         return cost_at(self.rows, sequences if self.packed else full) + attention
 
     def node_ms(self, sequences: int, width: int) -> float:
@@ -105,8 +110,8 @@ class BatchCost:
 
 def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
     """The model from (sequences, width, cached tokens, ms) points, by least squares with no term negative: rows(R)
-    linear between the row counts measured (one unknown per count, hat functions), d per sequence, c per row and
-    key beyond the shortest past; rows(R) then made non-decreasing (a dearer point of fewer rows is noise)."""
+    linear between the row counts measured (one unknown per count, hat functions), d per sequence, e per sequence and
+    key, c per row and key beyond the shortest past; rows(R) then made non-decreasing (a dearer point of fewer rows is noise)."""
     short = min(k for *_, k, _ in points)
     knots = sorted({s * (w + 1) for s, w, _, _ in points})
     if len(knots) == 1:
@@ -118,9 +123,9 @@ def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
             if r0 <= r <= r1:
                 hat[i], hat[i + 1] = (r1 - r) / (r1 - r0), (r - r0) / (r1 - r0)
                 break
-        return [*hat, float(s), float(r * (k - short))]
+        return [*hat, float(s), float(s * (k - short)), float(r * (k - short))]
 
-    x = torch.tensor([basis(s, w, k) for s, w, k, _ in points], dtype=torch.float64)  # (P, knots + 2)
+    x = torch.tensor([basis(s, w, k) for s, w, k, _ in points], dtype=torch.float64)  # (P, knots + 3)
     y = torch.tensor([ms for *_, ms in points], dtype=torch.float64)  # (P,)
     keep = list(range(x.shape[1]))
     while True:  # drop the most negative term and refit without it, until none is negative
@@ -134,12 +139,12 @@ def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
     for r, ms in sorted(zip(knots, full[: len(knots)].tolist(), strict=True), reverse=True):
         cheapest = min(cheapest, ms)
         rows[r] = cheapest
-    d, c = float(full[-2]), float(full[-1])
-    model = BatchCost(rows, c, d)
+    d, e, c = (float(v) for v in full[-3:])
+    model = BatchCost(rows, c, d, e=e)
     errors: dict[int, float] = {}
     for s, w, k, ms in points:
         errors[s] = max(errors.get(s, 0.0), abs(model.forward_ms(s, w, k - short + PASTS[0]) - ms) / ms)
-    return BatchCost(rows, c, d, max(errors.values()), errors)
+    return BatchCost(rows, c, d, max(errors.values()), errors, e=e)
 
 
 @torch.inference_mode()
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model} {args.dtype}, "
         f"kernels {target.packed.kind} ({seconds:.0f} s): ms at R rows "
         + ", ".join(f"{r}: {ms:.1f}" for r, ms in cost.rows.items())
-        + f"; + {cost.d:.2f} * sequences + {cost.c:.6f} * R * (cached keys - {PASTS[0]}); "
+        + f"; + {cost.d:.2f} * sequences + ({cost.e:.6f} * sequences + {cost.c:.6f} * R) * (cached keys - {PASTS[0]}); "
         f"worst error {cost.worst_error:.0%} ("
         + ", ".join(f"{e:.0%} at {s}" for s, e in cost.errors.items())
         + " sequences)"

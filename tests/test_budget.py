@@ -140,25 +140,29 @@ def test_a_steep_curve_falls_to_plain_as_the_batch_grows_and_a_flat_one_keeps_tr
 
 
 def test_the_cost_model_is_fitted_from_its_points():
-    """A concave row curve (16 rows ~1.6x one), a per-sequence share and an attention term: the fit gives all three
-    back from the grid's points."""
+    """A concave row curve (16 rows ~1.6x one), a per-sequence share, the cache's keys read once a sequence and each
+    row's products with them: the fit gives all four back from the grid's points."""
     true_rows = {1: 40.0, 2: 41.0, 4: 43.0, 8: 50.0, 16: 64.0, 32: 100.0, 64: 170.0, 128: 320.0}
-    truth = BatchCost(true_rows, 0.002, 0.7)
+    truth = BatchCost(true_rows, 0.0005, 0.7, e=0.004)
     grid = [(s, w, k) for s in (1, 2, 4, 8, 16) for w in (0, 1, 3, 7) for k in (64, 320) if s * (w + 1) <= 128]
     fit = fit_batch_cost([(s, w, k, truth.forward_ms(s, w, k)) for s, w, k in grid])
     assert fit.rows == pytest.approx(true_rows, rel=1e-6)
-    assert (fit.c, fit.d) == pytest.approx((0.002, 0.7), rel=1e-6) and fit.worst_error < 1e-9
+    assert (fit.c, fit.d, fit.e) == pytest.approx((0.0005, 0.7, 0.004), rel=1e-6) and fit.worst_error < 1e-9
+    # the keys are read once a sequence: 4 sequences' 7-node trees pay that as 4 plain steps do, and 28 rows' products
+    tree, plain = (truth.base_ms(4, w, 320) - truth.rows[4 * (w + 1)] for w in (7, 0))
+    assert tree - plain == pytest.approx(0.0005 * 28 * 256)
     assert BatchCost.linear(12.0, 0.8, 0.004).forward_ms(3, 4, 164) == pytest.approx(12 + 0.8 * 15 + 0.004 * 15 * 100)
 
 
 def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_own_sizes_margin():
-    """A model near the points at 1-4 sequences and off at 16 (plain steps 25 % dearer) keeps both errors; a plan for
+    """A model near the points at 1-4 sequences and off at 16 (plain steps 25 % dearer at the shorter cache: at both,
+    the per-sequence key term takes part of it) keeps both errors; a plan for
     2 sequences that promises 10 % over plain is taken (the margin at 2 sequences), one for 16 promising the same is
     not. With the grid's worst error as every size's margin, 2 requests decoded plainly where trees paid (bfloat16
     here: 1.15x plain against a fixed tree's 1.31x)."""
     truth = BatchCost({1: 10.0, 2: 10.5, 4: 11.0, 8: 14.0, 16: 20.0, 32: 30.0, 64: 50.0, 128: 90.0}, 0.002, 0.5)
     grid = [(s, w, k) for s in (1, 2, 4, 8, 16) for w in (0, 1, 3, 7) for k in (64, 320) if s * (w + 1) <= 128]
-    points = [(s, w, k, truth.forward_ms(s, w, k) * (1.25 if (s, w) == (16, 0) else 1.0)) for s, w, k in grid]
+    points = [(s, w, k, truth.forward_ms(s, w, k) * (1.25 if (s, w, k) == (16, 0, 64) else 1.0)) for s, w, k in grid]
     fit = fit_batch_cost(points)
     assert set(fit.errors) == {1, 2, 4, 8, 16} and fit.error(3) == fit.errors[4] and fit.error(5) == fit.errors[8]
     assert fit.error(32) == fit.error(16) == fit.worst_error > 2 * max(fit.error(s) for s in (1, 2, 3, 4))
