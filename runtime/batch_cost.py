@@ -111,7 +111,8 @@ class BatchCost:
 def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
     """The model from (sequences, width, cached tokens, ms) points, by least squares with no term negative: rows(R)
     linear between the row counts measured (one unknown per count, hat functions), d per sequence, e per sequence and
-    key, c per row and key beyond the shortest past; rows(R) then made non-decreasing (a dearer point of fewer rows is noise)."""
+    key, c per row and key beyond the shortest past; rows(R) then made non-decreasing (a dearer point of fewer rows is
+    noise)."""
     short = min(k for *_, k, _ in points)
     knots = sorted({s * (w + 1) for s, w, _, _ in points})
     if len(knots) == 1:
