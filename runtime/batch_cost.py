@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from headstart.runtime import background
-    from headstart.runtime.cost_curve import cpu_name
+    from headstart.runtime.cost_curve import calibrated_target, cpu_name
     from headstart.runtime.models import DEFAULT_MODEL, DTYPES, load_model
 
     p = argparse.ArgumentParser(description="the batched verify forward's cost model, measured on this machine")
@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     args = p.parse_args(argv)
     model, _ = load_model(args.model, args.dtype)
-    target = Target(model, slots=max(SEQUENCES))
     points: list[tuple[int, int, int, float]] = []
     with background.paused():
+        target = calibrated_target(model, slots=max(SEQUENCES))
         t0 = time.perf_counter()
         cost = measure_batch_cost(target, record=points)
         seconds = time.perf_counter() - t0

@@ -26,12 +26,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from headstart.runtime.kernels import FP32_KINDS
+from headstart.runtime.models import cache_dir
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree, choose_tree_shape, expected_acceptance_length
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents first (`choose_tree_shape`)
 
@@ -121,6 +126,15 @@ def choose_kernels(target: Target, cache: Path | None) -> str:
     costs = _cached(path, lambda: _time_fp32_kernels(target))
     target.use_kernels(min(costs, key=costs.get))
     return target.packed.kind
+
+
+def calibrated_target(model: PreTrainedModel, fast: bool | None = None, slots: int = 1) -> Target:
+    """`Target(model, fast, slots)` on the kernels measured cheapest here (`choose_kernels`, the choice cached under
+    `~/.cache/headstart/costs`): the engine's target, and the one the measuring commands (`python -m
+    headstart.runtime.cost_curve`, `... .batch_cost`) time, so they print the kernels the engine runs."""
+    target = Target(model, fast=fast, slots=slots)
+    choose_kernels(target, cache_dir() / "costs")
+    return target
 
 
 def _time_fp32_kernels(target: Target) -> dict[str, float]:
@@ -291,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     args = p.parse_args(argv)
     model, _ = load_model(args.model, args.dtype)
-    target = Target(model)
     with background.paused():
+        target = calibrated_target(model)
         curve = measure_cost_curve(target)
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model} {args.dtype}, "

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.checkpoint import CheckpointConfig
 from headstart.heads.kinds import KINDS
-from headstart.runtime.cost_curve import LiveSizer, TreeChoice, choose_kernels, cost_curve
+from headstart.runtime.cost_curve import LiveSizer, TreeChoice, calibrated_target, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import (
     entry,
@@ -35,7 +35,6 @@ from headstart.runtime.drafters.together import measure_catch_up, measure_shared
 from headstart.runtime.generate import Chunk, GenerationStats, SharedPrefix, stream
 from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.target import Target
 from headstart.runtime.text import TextDecoder
 from headstart.runtime.tokens import chat_ids, eos_ids
 
@@ -97,8 +96,7 @@ class Engine:
         the drafter profile of `make_drafter` (None: the model's own, `profiles.default_profile`); `adapter`: the
         LoRA adapter directory applied to the model, if any; `prepack`: the target's prepacked kernels
         (`runtime/kernels.py`; None: on)."""
-        self.target = Target(model, fast=prepack)
-        choose_kernels(self.target, cache_dir() / "costs")  # float32 on a CPU: MKL's or oneDNN's, as measured here
+        self.target = calibrated_target(model, fast=prepack)  # float32 on a CPU: MKL's or oneDNN's, as measured here
         self.tokenizer = tokenizer
         self.model_name, self.profile, self.adapter = model_name, profile, adapter
         self._sizers: dict[tuple[str, str], LiveSizer] = {}  # (drafter spec, heads) -> its live tree size

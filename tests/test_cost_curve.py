@@ -191,3 +191,19 @@ def test_engine_drafters_resize_from_what_they_accept(engine, tiny_drafters):
     # random heads accept less than their recorded accuracies: the tree in use shrinks with the fitted factor
     assert sizer.factor[False] < 1 and sizer.choice[False] != start
     assert (eagle.budget, eagle.depth) == (sizer.choice[False].budget, sizer.choice[False].depth)
+
+
+@pytest.mark.parametrize("module", ["cost_curve", "batch_cost"])
+def test_the_measuring_commands_time_the_kernels_the_engine_chose(module, tmp_path, monkeypatch, capsys):
+    """`python -m headstart.runtime.cost_curve` / `.batch_cost` timed the default float32 kernels (MKL's) whatever
+    `choose_kernels` had chosen: on a 2-core AMD EPYC, where oneDNN's forward costs half of MKL's and the engine runs
+    oneDNN, both printed MKL's costs."""
+    import importlib
+
+    from headstart.runtime import models
+
+    monkeypatch.setattr(models, "load_model", lambda name, dtype: (tiny_llama(vocab_size=64), None))
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    monkeypatch.setattr(curves, "_time_fp32_kernels", lambda target: {"mkl": 2.0, "onednn": 1.0})
+    assert importlib.import_module(f"headstart.runtime.{module}").main(["--dtype", "float32"]) == 0
+    assert "kernels onednn" in capsys.readouterr().out
