@@ -122,6 +122,25 @@ def test_a_drafter_option_it_does_not_take_is_named(capsys, tiny_model_dir):
     assert main([*argv, "--tree-depth", "3"]) == 2
     assert "--drafter lookup does not take --tree-depth" in capsys.readouterr().err
     assert main([*argv, "--tree-budget", "4", "--max-new-tokens", "4"]) == 0  # lookup takes a budget
+    assert main([*argv, "--graft-budget", "2"]) == 2
+    assert "--drafter lookup does not take --graft-budget" in capsys.readouterr().err
+
+
+def test_the_graft_budget_reaches_the_grafted_drafter(tiny_model_dir, monkeypatch):
+    """`--graft-budget N`: X+lookup grafts at most N lookup nodes onto X's tree (with `--tree-budget`, a fixed tree's
+    whole size)."""
+    from headstart.runtime.drafters import graft
+
+    built, init = [], graft.LookupGraft.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self.budget)
+
+    monkeypatch.setattr(graft.LookupGraft, "__init__", recorded)
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "the cat", "--max-new-tokens", "4"]
+    assert main([*argv, "--drafter", "layerskip+lookup", "--draft-layers", "1", "--graft-budget", "2"]) == 0
+    assert built and set(built) == {2}
 
 
 def test_library_errors_name_options_and_the_command_line_names_flags(tiny_model_dir, capsys):

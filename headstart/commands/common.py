@@ -20,6 +20,7 @@ TEST_PROMPTS = "tests/data/prompts.jsonl"  # 32 prompts written for this project
 FLAGS = {
     "heads": "--heads",
     "budget": "--tree-budget",
+    "graft_budget": "--graft-budget",
     "depth": "--tree-depth",
     "top_k": "--tree-top-k",
     "draft_vocab": "--draft-vocab",
@@ -124,6 +125,8 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str | None = "none", d
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     budget = "nodes per tree (default: the drafter's, from the profile)"
     p.add_argument("--tree-budget", type=at_least_one, default=None, help=budget)
+    graft = "X+lookup, X+suffix: the most nodes the lookup branches add to X's tree (default 8)"
+    p.add_argument("--graft-budget", type=at_least_one, default=None, metavar="N", help=graft)
     p.add_argument(
         "--suffix-pool-tokens",
         type=at_least_zero,
