@@ -83,13 +83,16 @@ bench-vllm: install $(VLLM_VENV)/.installed
 # headstart's server beside vLLM's on the same client and held-out chat prompts, 1 and 16 clients, float32: the table of
 # docs/serving.md (tests/engines/serve_bench.py; vLLM before and after headstart)
 # headstart served in float32 and in its default dtype (auto), vLLM in float32 in both; table + chart per dtype
-# (eagle+lookup also with a fixed tree of SERVE_TREE nodes; vLLM also with the exported EAGLE-3 head, a chain of 3)
-# 3 nodes: on a 2-core Intel Xeon in float32 (in-process, the bench's levels) 2 / 3 / 4 nodes made 1.18x / 1.29x / 1.32x
-# plain at 1 client, 1.34x / 1.39x / 1.27x at 2, 1.18x / 1.17x / 1.09x at 4; served, 6 nodes made 1.14x at 4
-SERVE_TREE ?= 3
+# (eagle+lookup also with a fixed tree: SERVE_TREE head nodes, SERVE_GRAFT lookup nodes; vLLM also with the exported
+# EAGLE-3 head, a chain of 3)
+# 2 head nodes and 2 lookup nodes: on a 2-core AMD EPYC (Zen 4) in float32 a row costs ~2 ms at 4 requests, and served
+# (plain / 3 + 8 lookup / 3 + 4 / 1 + 2 / 2 + 2, 2 repeats, docs/benchmarks.md) the 2 + 2 tree made 1.70x / 1.62x / 1.25x
+# plain at 1 / 2 / 4 clients where 3 + 8 (the tree before, chosen on a 2-core Xeon) made 1.81x / 1.75x / 1.14x
+SERVE_TREE ?= 2
+SERVE_GRAFT ?= 2
 bench-serve: install $(VLLM_VENV)/.installed
-	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype float32 --tree-budget $(SERVE_TREE) $(SERVE_BENCH_ARGS)
-	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype auto --skip-vllm --tree-budget $(SERVE_TREE) $(SERVE_BENCH_ARGS)
+	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype float32 --tree-budget $(SERVE_TREE) --graft-budget $(SERVE_GRAFT) $(SERVE_BENCH_ARGS)
+	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype auto --skip-vllm --tree-budget $(SERVE_TREE) --graft-budget $(SERVE_GRAFT) $(SERVE_BENCH_ARGS)
 
 # speculators 0.9.0 (vLLM's training library) in its own venv: its classes read headstart's EAGLE-3 exports, write heads of
 # each variant that headstart loads, and draft the same logits (tests/engines/speculators_check.py). It is installed

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/engines/serve_bench.py --vllm-python .venv-vllm/bin/python [--prompts FILE]
         [--clients 1,2,4,8,16,32] [--requests-per-client 4] [--max-tokens 64] [--dtype float32|auto]
-        [--baseline REV] [--tree-budget N] [--repeats R] [--skip-vllm] [--doc docs/benchmarks.md]
+        [--baseline REV] [--tree-budget N [--graft-budget G]] [--repeats R] [--skip-vllm] [--doc docs/benchmarks.md]
 
 T = 0, chat prompts: by default the first 64 committed held-out prompts (configs/heldout-ids.txt, in
 ../shared/data/train/prompts.jsonl). headstart runs from a snapshot of the commit HEAD names (`git archive`), so
@@ -272,6 +272,7 @@ def main() -> int:
     p.add_argument("--baseline", default=None, metavar="REV", help="also this commit's server, plain, at 1 client")
     p.add_argument("--skip-vllm", action="store_true", help="headstart alone (vLLM runs in float32 whatever --dtype)")
     p.add_argument("--tree-budget", type=int, default=None, help="also eagle+lookup with this fixed tree")
+    p.add_argument("--graft-budget", type=int, default=None, help="the fixed tree's lookup nodes (default: serve's)")
     p.add_argument("--doc", default=None)
     args = p.parse_args()
     if os.sep in args.vllm_python:  # a path: absolute (not resolved: a venv's python is a link), run elsewhere
@@ -304,7 +305,11 @@ def main() -> int:
         headstart.append(Server(label, command, 8007, env, uncached))
     if args.tree_budget:  # every request drafts this tree whatever the load (a switch that never turns it off)
         fixed = ours("eagle+lookup", 8004, "--tree-budget", str(args.tree_budget), "--speculate-up-to", "1024")
-        label = f"headstart eagle+lookup, {args.tree_budget}-node tree always ({commit})"
+        graft = ""
+        if args.graft_budget:
+            fixed += ["--graft-budget", str(args.graft_budget)]
+            graft = f" + {args.graft_budget} lookup"
+        label = f"headstart eagle+lookup, {args.tree_budget}-node tree{graft} always ({commit})"
         headstart.append(Server(label, fixed, 8004, env, args.clients))
     if args.baseline:
         base, base_env = snapshot(args.baseline, tmp)
