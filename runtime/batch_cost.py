@@ -145,7 +145,7 @@ def fit_batch_cost(points: list[tuple[int, int, int, float]]) -> BatchCost:
     errors: dict[int, float] = {}
     for s, w, k, ms in points:
         errors[s] = max(errors.get(s, 0.0), abs(model.forward_ms(s, w, k - short + PASTS[0]) - ms) / ms)
-    return BatchCost(rows, c, d, max(errors.values()), errors, e=e)
+    return replace(model, worst_error=max(errors.values()), errors=errors)
 
 
 @torch.inference_mode()

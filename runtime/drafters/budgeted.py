@@ -56,10 +56,9 @@ class Budgeted(Drafter):
         self.inner = inner
         self.name, self.feature_layers = inner.name, inner.feature_layers
         self.plan: Offer | None = None  # the coming round's tree (`take`); None: plain
-        budget = inner.budget if isinstance(inner, LookupGraft) else 1
         # grafted rounds by depth k: [drafted a (k+1)-th grafted node with the k before it accepted, accepted it]; every
         # request's (the forks share the array)
-        self.traffic = np.zeros((2, budget))
+        self.traffic = np.zeros((2, self.graft.budget if self.graft is not None else 1))
         self.clear_record()
 
     def clear(self) -> None:
@@ -158,10 +157,9 @@ class Budgeted(Drafter):
             return [Offer(len(alone), sum(probs), 0.0, graft=True)]
         found = len(build_trie(branches, graft.budget))
         sizes = sorted({min(n, found) for n in GRAFT_SIZES} | {found}) if found else []
-        grafted = [Offer(n, float(gains[n - 1]), 0.0, graft=True) for n in sizes]
-        return grafted + [
-            o._replace(nodes=o.nodes + n, gain=o.gain + float(gains[n - 1]), graft=True) for o in own for n in sizes
-        ]
+        worth = {n: float(gains[n - 1]) for n in sizes}
+        grafted = [Offer(n, worth[n], 0.0, graft=True) for n in sizes]
+        return grafted + [o._replace(nodes=o.nodes + n, gain=o.gain + worth[n], graft=True) for o in own for n in sizes]
 
     @torch.inference_mode()
     def propose(self, context: list[int]) -> DraftTree:
