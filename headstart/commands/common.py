@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from headstart.runtime.drafters.options import HEAD_DTYPES
+from headstart.runtime.drafters.options import HEAD_DTYPES, GraftOptions
 from headstart.runtime.drafters.registry import names, option_names
 from headstart.runtime.models import DEFAULT_MODEL, DTYPES
 from headstart.runtime.profiles import PROFILES
@@ -125,7 +125,7 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str | None = "none", d
     p.add_argument("--heads", default=None, help="trained heads directory (default: the shipped ones, if any)")
     budget = "nodes per tree (default: the drafter's, from the profile)"
     p.add_argument("--tree-budget", type=at_least_one, default=None, help=budget)
-    graft = "X+lookup, X+suffix: the most nodes the lookup branches add to X's tree (default 8)"
+    graft = f"X+lookup, X+suffix: the most lookup nodes grafted onto X's tree (default {GraftOptions().graft_budget})"
     p.add_argument("--graft-budget", type=at_least_one, default=None, metavar="N", help=graft)
     p.add_argument(
         "--suffix-pool-tokens",
