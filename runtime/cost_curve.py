@@ -42,7 +42,7 @@ Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents fi
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row counts timed (root + nodes)
 PAST = 256  # cached tokens while timing (a typical chat prompt)
-FORWARD_VERSION = 4  # raise when the target's forward changes its costs, so that cached curves are measured again
+FORWARD_VERSION = 5  # raise when the target's forward changes its costs, so that cached curves are measured again
 TREE_ROWS = tuple(r for r in ROWS if r <= 16)  # the row counts `choose_kernels` compares the kernels over
 
 

@@ -8,26 +8,28 @@ pass does, without compiling anything):
 
 - bfloat16: one oneDNN-packed copy serves every row count (AMX / AVX-512 BF16 kernels; a CPU without
   AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2 only, has no such kernels and keeps the stock ones);
-- float32, two kinds (`FP32_KINDS`): MKL's packed GEMM ("mkl", the default), which is packed for one row
-  count: a copy per bucket of `ROW_BUCKETS`, and `Target.verify` pads a tree to the next bucket; one or two rows
-  keep the stock kernel (a GEMV reads the plain layout best), and any other count (several sequences' trees
-  packed end to end, a prompt) reads one more copy packed by oneDNN. Or oneDNN's ("onednn"), one copy for every
-  row count, as in bfloat16. Which is cheaper depends on the CPU: `runtime/cost_curve.choose_kernels` times
-  both on the whole target once per machine (an AVX2-only AMD EPYC: oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 /
-  8 rows, MKL 69 / 112 / 112 / 154). On a 2-core Intel Xeon with AMX, the linear layers of one SmolLM2-135M
-  forward (30 layers' and the lm_head's, ms by rows): stock 28.6 / 31.0 / 46.9 / 59.0 / 75.7 / 77.6 / 98.3 /
-  539.9 for 1 / 2 / 4 / 8 / 16 / 17 / 32 / 300 rows, oneDNN 37.0 / 39.8 / 41.7 / 47.7 / 58.6 / 65.1 / 87.2 /
-  491.1, MKL's packs 35.3 / 41.0 / 49.2 at 4 / 8 / 16: each count's cheapest is the one "mkl" now takes. Past
-  16 rows (several sequences' trees) MKL's packs stay the cheapest: another run, 16 / 24 / 32 / 48 rows, stock
-  42.3 / 48.5 / 54.6 / 65.8, oneDNN 38.5 / 45.5 / 55.2 / 68.9, MKL 34.4 / 40.1 / 45.2 / 54.9; hence a bucket of 32
-  (`Target.verify_batch` pads a batch's trees to a bucket too).
+- float32, two kinds (`FP32_KINDS`): MKL's packed GEMM ("mkl", the default) or oneDNN's ("onednn", one copy
+  for every row count, as in bfloat16). MKL packs a weight for a row count, but a copy packed for one count
+  computes any other exactly (the packed layout holds the weight; the count only tunes its blocking), so two copies
+  serve every count: the one packed for `MKL_PACK_ROWS[0]` rows up to `MKL_LARGE_ROWS` rows (trees, several
+  sequences' trees packed end to end), the one for `MKL_PACK_ROWS[1]` past them (a prompt's chunk); one or two rows
+  keep the stock kernel (a GEMV reads the plain layout best). `mkl_packs_serve_any_rows` checks that at first use
+  (else float32 packs as oneDNN). On a 2-core Intel Xeon with AMX, the linear layers of one SmolLM2-135M forward,
+  ms by rows (2026-12-06, the kinds in turn): the copy packed for 64 rows 24.0 / 25.5 / 30.7 / 34.6 / 37.8 / 41.8 /
+  48.2 / 49.5 / 64.1 / 74.6 at 3 / 4 / 8 / 12 / 16 / 20 / 24 / 32 / 48 / 64 rows, each count's own copy 26.5 /
+  31.5 / 36.0 / 38.3 / 40.5 / 44.6 / 50.5 / 64.4 at 4 / 8 / 12 / 16 / 20 / 24 / 32 / 48; the copy for 16 rows
+  74.8 at 33 and 395 at 300, the one for 256 54.2 and 291 (oneDNN 59.0 and 310, stock 64.4 and 332). Before, a
+  copy was made per bucket of 4, 8, 16 and 32 rows and a tree padded to the next: 17 rows cost 32's.
+  Which kind is cheaper depends on the CPU: `runtime/cost_curve.choose_kernels` times both on the whole target
+  once per machine (an AVX2-only AMD EPYC: oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 / 8 rows, MKL 69 / 112 /
+  112 / 154; a 2-core AMD EPYC Zen 4: oneDNN, docs/tuning.md).
 
 Measured on an earlier round's 2-core CPU with AVX-512 (SmolLM2-135M, 256 cached tokens, ms per forward): float32
 1 / 4 / 8 / 16 rows 44.8 / 68.4 / 82.3 / 96.3 stock, 45.0 / 59.0 / 63.7 / 74.9 packed; bfloat16 50.9 / 59.6 /
 61.6 / 64.4 stock, 40.8 / 47.0 / 51.7 / 57.1 packed. The original weight stays the module's `weight` (tied
 embeddings and drafters that read `lm_head.weight` see no change); results equal the stock kernel's to float
-rounding. Memory: a packed copy of every linear weight for oneDNN, one per row bucket and a oneDNN one for MKL
-(5x the weights; packing is skipped when the copies would take more than half the memory available). Packing takes
+rounding. Memory: a packed copy of every linear weight for oneDNN, two for MKL (packing is skipped when the copies
+would take more than half the memory available). Packing takes
 0.2-0.3 s for SmolLM2-135M and is redone at each load (reading a cached copy would cost as much). CPU only
 (CUDA kernels need no packing; CUDA graphs, the GPU's tool against launch overhead, are not built yet),
 inference only.
@@ -44,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROW_BUCKETS = (4, 8, 16, 32)  # float32: the row counts MKL's packed weights are made for (a copy each)
+MKL_PACK_ROWS = (64, 256)  # float32 "mkl": the row counts its two copies are packed for (either computes any count)
+MKL_LARGE_ROWS = 96  # ... products over more rows than this read the second
 STOCK_ROWS = 2  # float32 under "mkl": up to this many rows the stock kernel (a GEMV) is the cheapest
 FP32_KINDS = ("mkl", "onednn")  # float32's packings, the default first
 ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layout for
@@ -53,7 +56,6 @@ ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layou
 @dataclass(frozen=True)
 class Prepacked:
     seconds: float = 0.0  # the time packing took at load
-    row_buckets: tuple[int, ...] = ()  # row counts a forward should be padded to (float32); () = any count is fast
     kind: str = "none"  # "onednn", "mkl" or "none"
 
 
@@ -70,9 +72,29 @@ def _packing_for(param: torch.Tensor) -> str:
         return "none"
     if param.dtype == torch.bfloat16 and onednn_bf16_supported():
         return "onednn"
-    if param.dtype == torch.float32 and torch.backends.mkl.is_available():
+    if param.dtype == torch.float32 and mkl_packs_serve_any_rows():
         return "mkl"
+    if param.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        return "onednn"
     return "none"
+
+
+@functools.cache
+def mkl_packs_serve_any_rows() -> bool:
+    """Whether this torch has MKL's packed GEMM and a weight packed by it for MKL_PACK_ROWS[0] rows computes other
+    row counts as the stock kernel does (MKL documents a pack for the count it was made for; every count checked
+    here reads it correctly, which this confirms on the running CPU, once: a few ms)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=gen)
+    pack = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS[0])
+    for rows in (3, 17, 100, MKL_PACK_ROWS[0]):
+        x = torch.randn(rows, 80, generator=gen)
+        got = torch.ops.mkl._mkl_linear(x, pack, weight, None, rows)
+        if not torch.allclose(got, F.linear(x, weight), rtol=1e-4, atol=1e-4):
+            return False
+    return True
 
 
 @functools.cache
@@ -115,22 +137,17 @@ class PackedLinear(nn.Linear):
         new.out_features, new.in_features = weight.shape
         new.weight, new.bias, new.kind = weight, bias, kind
         w = weight.detach()
-        new.packs = {}  # rows -> MKL's copy packed for that count; 0 -> oneDNN's copy, for any count
-        if kind == "mkl":
-            new.packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in ROW_BUCKETS}
-        if kind == "onednn" or torch.backends.mkldnn.is_available():
-            new.packs[0] = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
+        if kind == "mkl":  # the copies for few and for many rows
+            new.packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in MKL_PACK_ROWS]
+        else:
+            new.packs = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)]
         return new
 
     def kernel(self, rows: int) -> str:
-        """Which kernel a product over `rows` rows runs: "onednn", "mkl" (a row bucket's pack) or "stock"."""
+        """Which kernel a product over `rows` rows runs: "onednn", "mkl" or "stock"."""
         if self.kind == "onednn":
             return "onednn"
-        if rows <= STOCK_ROWS:
-            return "stock"
-        if rows in self.packs:
-            return "mkl"
-        return "onednn" if 0 in self.packs else "stock"
+        return "stock" if rows <= STOCK_ROWS else "mkl"
 
     def __deepcopy__(self, memo: dict) -> nn.Linear:
         """A copy is a plain `nn.Linear` (packed tensors are opaque to copying; a copy may be trained or moved)."""
@@ -149,7 +166,8 @@ class PackedLinear(nn.Linear):
         if kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packs[0], self.bias, "none", [], "")
         if kernel == "mkl":
-            return torch.ops.mkl._mkl_linear(x, self.packs[rows], self.weight, self.bias, rows)
+            pack = self.packs[rows > MKL_LARGE_ROWS]
+            return torch.ops.mkl._mkl_linear(x, pack, self.weight, self.bias, rows)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -164,7 +182,7 @@ def _chosen(default: str, kind: str | None, dtype: torch.dtype) -> str:
     """`kind` where it may replace `default` (a float32 model's kinds are interchangeable; bfloat16 packs as oneDNN
     only), else `default`."""
     interchangeable = dtype == torch.float32 and default in FP32_KINDS and kind in FP32_KINDS
-    return kind if interchangeable else default
+    return kind if interchangeable and (kind != "mkl" or mkl_packs_serve_any_rows()) else default
 
 
 def available_bytes() -> int | None:
@@ -189,13 +207,13 @@ def prepack_like_target(target_lm_head: nn.Module, heads: nn.Module, readout) ->
 
 def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
     """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, where
-    the model suits a packing and its packed copies (one for "onednn", one per row bucket and a oneDNN one for
-    "mkl") take at most half the memory available. `kind`: one of `FP32_KINDS` for a float32 model (None: the
+    the model suits a packing and its packed copies (one for "onednn", two for "mkl") take at most half the memory
+    available. `kind`: one of `FP32_KINDS` for a float32 model (None: the
     default)."""
     kind = _chosen(_packing(model), kind, next(model.parameters()).dtype)
     if kind == "none":
         return Prepacked()
-    copies = 1 if kind == "onednn" else len(ROW_BUCKETS) + torch.backends.mkldnn.is_available()
+    copies = 1 if kind == "onednn" else len(MKL_PACK_ROWS)
     linears = (nn.Linear, PackedLinear)
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) in linears)
     available = available_bytes()
@@ -207,4 +225,4 @@ def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
             for name, child in list(parent.named_children()):
                 if type(child) in linears:
                     setattr(parent, name, PackedLinear.from_linear(child, kind))
-    return Prepacked(time.perf_counter() - t0, ROW_BUCKETS if kind == "mkl" else (), kind)
+    return Prepacked(time.perf_counter() - t0, kind)

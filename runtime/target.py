@@ -78,9 +78,8 @@ class Target:
 
     def __init__(self, model: PreTrainedModel, fast: bool | None = None, slots: int = 1) -> None:
         """`fast`: prepack the model's linear layers in place (CPU; `runtime/kernels.py`), once (`packed` says how
-        and in how many seconds), trees then padded to the row counts the packed kernels are made for; and attend
-        to a tree with grouped-query SDPA (`grouped` says whether; runtime/attention.py). `slots`: the sequences
-        the cache holds at once (`verify_batch`)."""
+        and in how many seconds), and attend to a tree with grouped-query SDPA (`grouped` says whether;
+        runtime/attention.py). `slots`: the sequences the cache holds at once (`verify_batch`)."""
         fast = self.prepack_default if fast is None else fast
         self.model = model.eval().requires_grad_(False)
         self.device = model.device
@@ -161,36 +160,12 @@ class Target:
         hidden = features(out.hidden_states, layers) if layers else None  # (r, q, F)
         return [None if hidden is None or not c else hidden[i, : len(c)] for i, c in enumerate(chunks)]
 
-    def _padded(self, trees: list[DraftTree], pasts: list[int]) -> list[DraftTree]:
-        """`trees` (cached `pasts` tokens before each) with extra children of the root (token 0) up to the next row
-        bucket of the packed kernels, if any, for all their rows together: the model scores them, nothing reads
-        them, and `commit` drops them like any rejected node. They go to the shortest trees first, none past the
-        widest while others are narrower (attention reads every tree padded to the widest). Plain steps stay as
-        they are."""
-        total = sum(len(t) + 1 for t in trees)
-        bucket = next((b for b in self.packed.row_buckets if b >= total), total)
-        if bucket == total or not any(len(t) for t in trees):
-            return trees
-        extra, need, widest = [0] * len(trees), bucket - total, max(len(t) for t in trees)
-        for i in sorted(range(len(trees)), key=lambda i: len(trees[i])):
-            extra[i] = min(need, widest - len(trees[i]))
-            need -= extra[i]
-        for i in range(need):  # every tree as wide as the widest: one row more each, in turn
-            extra[i % len(trees)] += 1
-        if any(past + len(t) + 1 + e > self.max_len for past, t, e in zip(pasts, trees, extra, strict=True)):
-            return trees
-        return [
-            DraftTree([*t.tokens, *[0] * e], [*t.parents, *[-1] * e]) if e else t
-            for t, e in zip(trees, extra, strict=True)
-        ]
-
     @torch.inference_mode()
     def verify(self, root: int, tree: DraftTree, layers: tuple[int, ...] = (-1,), slot: int = 0) -> Verified:
         """Score the root and every node of `tree` in one forward: (n+1) rows of logits and features. The slot's
-        cache grows by the rows fed (n + 1, or a padded count) until `commit`."""
+        cache grows by the rows fed (n + 1) until `commit`."""
         past, n = self.lengths[slot], len(tree)
-        tree = self._padded([tree], [past])[0]
-        rows = len(tree) + 1
+        rows = n + 1
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)  # (1, rows)
         t0 = time.perf_counter()
         if len(tree) and self.layout.window is None:  # only the tree's block of the mask is written
@@ -237,7 +212,6 @@ class Target:
             return [self.verify(roots[0], trees[0], layers)]
         if prefills and not self.mixes_prefill:
             raise ValueError("prefills ride in a round only with the fast path's attention and no sliding window")
-        given, trees = trees, trees if prefills else self._padded(trees, self.lengths[: len(trees)])
         r, q = len(roots), max(len(t) for t in trees) + 1
         # rows each sequence feeds: its own where trees differ in size and the attention unpacks; else all q (plain
         # batched steps, equal trees: packed and padded rows are then the same rows, without the index work)
@@ -290,7 +264,7 @@ class Target:
         lm_head_s = self._lm_head_s()
         verified = [
             Verified(logits[i][: len(t) + 1], None if hidden is None else hidden[i][: len(t) + 1], mask_s, lm_head_s)
-            for i, t in enumerate(given)
+            for i, t in enumerate(trees)
         ]
         last = iter(logits[r:])
         for i, p in enumerate(prefills):

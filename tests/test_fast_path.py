@@ -13,7 +13,7 @@ from headstart.runtime import kernels
 from headstart.runtime.attention import GROUPED_SDPA, MaskBuffer, grouped_sdpa
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.generate import stream
-from headstart.runtime.kernels import ROW_BUCKETS, PackedLinear, prepack_linears
+from headstart.runtime.kernels import PackedLinear, prepack_linears
 from headstart.runtime.kvcache import SlotCache
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree, tree_visibility
@@ -103,7 +103,7 @@ def test_packed_linears_equal_the_stock_ones():
     packed = prepack_linears(model)
     if packed.kind == "none":
         pytest.skip("neither MKL nor oneDNN is built into this torch")
-    assert packed.seconds > 0 and packed.row_buckets == ROW_BUCKETS
+    assert packed.seconds > 0
     packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert packed.keys() == stock.keys()
     assert all(packed[n].weight is w for n, w in stock.items())  # the same Parameters: ties kept
@@ -111,16 +111,43 @@ def test_packed_linears_equal_the_stock_ones():
     plain = copy.deepcopy(model)  # a copy is a plain model again
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
     assert plain.lm_head.weight is plain.model.embed_tokens.weight or not model.config.tie_word_embeddings
-    # float32 under MKL: one or two rows the stock GEMV, a row bucket MKL's pack, any other count oneDNN's (a tree
-    # padded to no bucket: several sequences' rows packed end to end, a prompt's chunk)
+    # float32 under MKL: one or two rows the stock GEMV, any other count MKL's packs (a tree, several sequences'
+    # rows packed end to end, a prompt's chunk)
     lm_head = model.lm_head
-    assert [lm_head.kernel(rows) for rows in (1, 2, 3, 4, 5, 8, 16, 17, 300)] == [
-        "stock", "stock", "onednn", "mkl", "onednn", "mkl", "mkl", "onednn", "onednn"
-    ]  # fmt: skip
+    assert [lm_head.kernel(rows) for rows in (1, 2, 3, 4, 5, 17, 300)] == ["stock"] * 2 + ["mkl"] * 5
     with torch.inference_mode():
         for rows in (1, 3, 4, 5, 8, 17):
             x = torch.randn(rows, model.config.hidden_size)
             torch.testing.assert_close(model.lm_head(x), x @ model.lm_head.weight.T, atol=1e-5, rtol=0)
+
+
+def test_two_mkl_packs_compute_every_row_count(monkeypatch):
+    """MKL packs a weight for a row count; its two copies (for few rows and for many) serve every count, which the
+    forward relies on: no tree is padded to a packed count. Every count 1-140 and a prompt's 300 rows equal the
+    stock kernel's, through the copy for few rows up to MKL_LARGE_ROWS and the other past them."""
+    if not kernels.mkl_packs_serve_any_rows():
+        pytest.skip("this torch has no MKL packed GEMM that serves any row count (float32 packs as oneDNN)")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 200)
+    packed = PackedLinear.from_linear(linear, "mkl")
+    with torch.inference_mode():
+        for rows in [*range(1, 141), 300]:
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    read, real = [], torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(
+        torch.ops, "mkl", types.SimpleNamespace(_mkl_linear=lambda x, pack, *a: read.append(pack) or real(x, pack, *a))
+    )
+    with torch.inference_mode():
+        for rows in (3, kernels.MKL_LARGE_ROWS, kernels.MKL_LARGE_ROWS + 1, 300):
+            packed(torch.randn(rows, 48))
+    assert [p is packed.packs[1] for p in read] == [False, False, True, True]
+
+
+def test_float32_packs_as_onednn_where_mkl_packs_do_not_serve_every_count(monkeypatch):
+    monkeypatch.setattr(kernels, "mkl_packs_serve_any_rows", lambda: False)
+    model = tiny_llama(vocab_size=64, init_std=0.2)
+    assert prepack_linears(model, "mkl").kind == ("onednn" if torch.backends.mkldnn.is_available() else "none")
 
 
 def test_bf16_packs_only_where_the_cpu_has_onednn_bf16_kernels(monkeypatch):
@@ -137,7 +164,7 @@ def test_bf16_packs_only_where_the_cpu_has_onednn_bf16_kernels(monkeypatch):
 @pytest.mark.parametrize("kind", kernels.FP32_KINDS)
 def test_fast_and_stock_targets_decode_alike(kind):
     """Greedy tokens and every round's logits of the fast path equal the stock path's (a tree drafter's rounds),
-    with either float32 packing; MKL's pads a tree to its row bucket, oneDNN's feeds it as it is."""
+    with either float32 packing."""
     torch.manual_seed(0)
     logits = {}
     for fast in (False, True):
@@ -146,9 +173,8 @@ def test_fast_and_stock_targets_decode_alike(kind):
         target.use_kernels(kind)
         assert target.packed.kind == (kind if fast else "none")
         out = [t for c in stream(target, PROMPT, LookupDrafter(), max_new_tokens=40) for t in c.tokens]
-        verified = target.verify(out[-1], DraftTree([1, 2, 3, 4], [-1, 0, -1, 2]))  # 5 rows, padded to 8 by MKL's
-        fed = 8 if target.packed.kind == "mkl" else 5
-        assert verified.logits.shape == (5, 64) and target.past_len == len(PROMPT) + 40 - 1 + fed
+        verified = target.verify(out[-1], DraftTree([1, 2, 3, 4], [-1, 0, -1, 2]))  # 5 rows, fed as they are
+        assert verified.logits.shape == (5, 64) and target.past_len == len(PROMPT) + 40 - 1 + 5
         logits[fast] = (out, verified.logits)
     assert logits[True][0] == logits[False][0]
     torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-4, rtol=0)
@@ -160,7 +186,7 @@ def test_float32_linears_pack_again_as_onednn_and_heads_follow_the_target():
     weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert prepack_linears(model).kind == "mkl"  # float32's default
     packed = prepack_linears(model, "onednn")  # packed again, in place
-    assert packed.kind == "onednn" and packed.row_buckets == ()
+    assert packed.kind == "onednn"
     assert all(m.weight is weights[n] for n, m in model.named_modules() if isinstance(m, PackedLinear))
     with torch.inference_mode():
         for rows in (1, 3, 8, 20):  # one packed copy serves every row count
@@ -280,11 +306,10 @@ def test_a_batch_packed_end_to_end_scores_as_padded_and_writes_only_its_rows(mon
             torch.testing.assert_close(hp, hq, atol=1e-10, rtol=0)
 
 
-def test_float32_trees_of_a_batch_are_padded_to_a_row_bucket_and_score_as_unpadded():
-    """Under MKL's packs (float32) a batch's rows are padded to the next row bucket, as one sequence's tree is: the
-    trees of 0, 3 and 1 nodes (7 rows) feed 8, the shortest tree taking the dummy row (a root child that nothing
-    reads and `commit` drops), so the forward reads a packed weight; every sequence's logits are the stock
-    target's, and the caches hold the same after each commit."""
+def test_float32_trees_of_a_batch_feed_their_own_rows_and_score_as_the_stock_target():
+    """Under MKL's packs (float32) a batch's trees of 0, 3 and 1 nodes feed their 7 rows as they are (they were padded
+    to a packed row count, 8, when MKL's copies served only the counts they were packed for); every sequence's
+    logits are the stock target's, and the caches hold the same after each commit."""
     trees = [DraftTree(), DraftTree([4, 5, 6], [-1, 0, -1]), DraftTree([7], [-1])]
     prompts = [PROMPT, PROMPT[:4], [3, 3, 8, 1, 9, 2, 6]]
     rows_seen: list[int] = []
@@ -306,7 +331,7 @@ def test_float32_trees_of_a_batch_are_padded_to_a_row_bucket_and_score_as_unpadd
         got[fast] = (rounds, list(target.lengths))
         if fast:
             hook.remove()
-    assert rows_seen[-3:] == [8, 8, 8]  # 7 rows padded to MKL's bucket of 8
+    assert rows_seen[-3:] == [7, 7, 7]
     assert got[True][1] == got[False][1]
     for fast_round, stock_round in zip(got[True][0], got[False][0], strict=True):
         for lp, lq in zip(fast_round, stock_round, strict=True):

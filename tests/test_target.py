@@ -1,5 +1,5 @@
 """Target: tree verification equals sequential scoring; committing a path leaves a correct KV cache (fp32), with
-the fast path (prepacked kernels, trees padded to their row buckets) and without it."""
+the fast path (prepacked kernels) and without it."""
 
 import copy
 
@@ -37,7 +37,7 @@ def test_verify_scores_every_node_like_its_own_path(model, fast):
     verified = target.verify(PROMPT[-1], TREE)
     assert verified.logits.shape == (len(TREE) + 1, 64)
     assert verified.hidden.shape == (len(TREE) + 1, 64)
-    assert target.past_len == len(PROMPT) + len(TREE) + (target.packed.kind == "mkl")  # 7 rows, 8 with padding
+    assert target.past_len == len(PROMPT) + len(TREE)  # the prompt but its last token, then the root and 6 nodes
     torch.testing.assert_close(verified.logits[0], full_logits(model, PROMPT)[-1], atol=1e-4, rtol=0)
     for node in range(len(TREE)):
         path = [TREE.tokens[i] for i in TREE.path_to(node)]
