@@ -29,10 +29,9 @@ Measured on an earlier round's 2-core CPU with AVX-512 (SmolLM2-135M, 256 cached
 61.6 / 64.4 stock, 40.8 / 47.0 / 51.7 / 57.1 packed. The original weight stays the module's `weight` (tied
 embeddings and drafters that read `lm_head.weight` see no change); results equal the stock kernel's to float
 rounding. Memory: a packed copy of every linear weight for oneDNN, two for MKL (packing is skipped when the copies
-would take more than half the memory available). Packing takes
-0.2-0.3 s for SmolLM2-135M and is redone at each load (reading a cached copy would cost as much). CPU only
-(CUDA kernels need no packing; CUDA graphs, the GPU's tool against launch overhead, are not built yet),
-inference only.
+would take more than half the memory available). Packing takes 0.2-0.3 s for SmolLM2-135M and is redone at each
+load (reading a cached copy would cost as much). CPU only (CUDA kernels need no packing; CUDA graphs, the GPU's tool
+against launch overhead, are not built yet), inference only.
 """
 
 from __future__ import annotations
@@ -81,19 +80,20 @@ def _packing_for(param: torch.Tensor) -> str:
 
 @functools.cache
 def mkl_packs_serve_any_rows() -> bool:
-    """Whether this torch has MKL's packed GEMM and a weight packed by it for MKL_PACK_ROWS[0] rows computes other
-    row counts as the stock kernel does (MKL documents a pack for the count it was made for; every count checked
-    here reads it correctly, which this confirms on the running CPU, once: a few ms)."""
+    """Whether this torch has MKL's packed GEMM and a weight packed by it for each of MKL_PACK_ROWS computes other
+    row counts as the stock kernel does (MKL documents a pack for the count it was made for; every count tried here
+    reads either correctly, which this confirms on the running CPU, once: a few ms)."""
     if not torch.backends.mkl.is_available():
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 80, generator=gen)
-    pack = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS[0])
-    for rows in (3, 17, 100, MKL_PACK_ROWS[0]):
-        x = torch.randn(rows, 80, generator=gen)
-        got = torch.ops.mkl._mkl_linear(x, pack, weight, None, rows)
-        if not torch.allclose(got, F.linear(x, weight), rtol=1e-4, atol=1e-4):
-            return False
+    for packed_for in MKL_PACK_ROWS:
+        pack = torch.ops.mkl._mkl_reorder_linear_weight(weight, packed_for)
+        for rows in (3, 17, 100, 300):
+            x = torch.randn(rows, 80, generator=gen)
+            got = torch.ops.mkl._mkl_linear(x, pack, weight, None, rows)
+            if not torch.allclose(got, F.linear(x, weight), rtol=1e-4, atol=1e-4):
+                return False
     return True
 
 
@@ -208,8 +208,7 @@ def prepack_like_target(target_lm_head: nn.Module, heads: nn.Module, readout) ->
 def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
     """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, where
     the model suits a packing and its packed copies (one for "onednn", two for "mkl") take at most half the memory
-    available. `kind`: one of `FP32_KINDS` for a float32 model (None: the
-    default)."""
+    available. `kind`: one of `FP32_KINDS` for a float32 model (None: the default)."""
     kind = _chosen(_packing(model), kind, next(model.parameters()).dtype)
     if kind == "none":
         return Prepacked()
