@@ -10,16 +10,12 @@ pass does, without compiling anything):
   AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2 only, has no such kernels and keeps the stock ones);
 - float32, two kinds (`FP32_KINDS`): MKL's packed GEMM ("mkl", the default) or oneDNN's ("onednn", one copy
   for every row count, as in bfloat16). MKL packs a weight for a row count, but a copy packed for one count
-  computes any other exactly (the packed layout holds the weight; the count only tunes its blocking), so two copies
+  computes any other as that count's own copy does (the count only tunes its blocking), so two copies
   serve every count: the one packed for `MKL_PACK_ROWS[0]` rows up to `MKL_LARGE_ROWS` rows (trees, several
   sequences' trees packed end to end), the one for `MKL_PACK_ROWS[1]` past them (a prompt's chunk); one or two rows
   keep the stock kernel (a GEMV reads the plain layout best). `mkl_packs_serve_any_rows` checks that at first use
-  (else float32 packs as oneDNN). On a 2-core Intel Xeon with AMX, the linear layers of one SmolLM2-135M forward,
-  ms by rows (2026-12-06, the kinds in turn): the copy packed for 64 rows 24.0 / 25.5 / 30.7 / 34.6 / 37.8 / 41.8 /
-  48.2 / 49.5 / 64.1 / 74.6 at 3 / 4 / 8 / 12 / 16 / 20 / 24 / 32 / 48 / 64 rows, each count's own copy 26.5 /
-  31.5 / 36.0 / 38.3 / 40.5 / 44.6 / 50.5 / 64.4 at 4 / 8 / 12 / 16 / 20 / 24 / 32 / 48; the copy for 16 rows
-  74.8 at 33 and 395 at 300, the one for 256 54.2 and 291 (oneDNN 59.0 and 310, stock 64.4 and 332). Before, a
-  copy was made per bucket of 4, 8, 16 and 32 rows and a tree padded to the next: 17 rows cost 32's.
+  (else float32 packs as oneDNN). The forward's cost by rows under each copy: docs/tuning.md ("One MKL pack for
+  every row count"); before, a copy was made per bucket of 4, 8, 16 and 32 rows and a tree padded to the next.
   Which kind is cheaper depends on the CPU: `runtime/cost_curve.choose_kernels` times both on the whole target
   once per machine (an AVX2-only AMD EPYC: oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 / 8 rows, MKL 69 / 112 /
   112 / 154; a 2-core AMD EPYC Zen 4: oneDNN, docs/tuning.md).
