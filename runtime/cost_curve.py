@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from headstart.runtime.kernels import FP32_KINDS
+from headstart.runtime.kernels import FP32_KINDS, fp32_kinds
 from headstart.runtime.models import cache_dir
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree, choose_tree_shape, expected_acceptance_length
@@ -138,13 +138,13 @@ def calibrated_target(model: PreTrainedModel, fast: bool | None = None, slots: i
 
 
 def _time_fp32_kernels(target: Target) -> dict[str, float]:
-    """ms summed over the TREE_ROWS forwards under each of FP32_KINDS (the median of 3 turns), said on stderr (it
-    takes seconds)."""
+    """ms summed over the TREE_ROWS forwards under each of the float32 kinds this machine runs (`fp32_kinds`; the
+    median of 3 turns), said on stderr (it takes seconds)."""
     t0 = time.perf_counter()
     print("headstart: timing the float32 kernels on this CPU (once; cached)", file=sys.stderr, flush=True)
-    times: dict[str, list[float]] = {kind: [] for kind in FP32_KINDS}
+    times: dict[str, list[float]] = {kind: [] for kind in fp32_kinds()}
     for _ in range(3):  # the kinds in turn, three times: a machine that drifts while one is timed moves both
-        for kind in FP32_KINDS:
+        for kind in times:
             target.use_kernels(kind)
             times[kind].append(sum(measure_cost_curve(target, reps=1, rows_timed=TREE_ROWS).values()))
     costs = {kind: statistics.median(t) for kind, t in times.items()}

@@ -67,11 +67,16 @@ def _packing_for(param: torch.Tensor) -> str:
         return "none"
     if param.dtype == torch.bfloat16 and onednn_bf16_supported():
         return "onednn"
-    if param.dtype == torch.float32 and mkl_packs_serve_any_rows():
-        return "mkl"
-    if param.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return "onednn"
+    if param.dtype == torch.float32:
+        return next(iter(fp32_kinds()), "none")
     return "none"
+
+
+def fp32_kinds() -> tuple[str, ...]:
+    """The float32 packings this machine runs, the default first: FP32_KINDS less MKL's where its packs fail
+    `mkl_packs_serve_any_rows`, less oneDNN's where torch is built without it."""
+    usable = {"mkl": mkl_packs_serve_any_rows(), "onednn": torch.backends.mkldnn.is_available()}
+    return tuple(kind for kind in FP32_KINDS if usable[kind])
 
 
 @functools.cache
@@ -177,8 +182,8 @@ def packed_projection(weight: torch.Tensor, kind: str | None = None) -> PackedLi
 def _chosen(default: str, kind: str | None, dtype: torch.dtype) -> str:
     """`kind` where it may replace `default` (a float32 model's kinds are interchangeable; bfloat16 packs as oneDNN
     only), else `default`."""
-    interchangeable = dtype == torch.float32 and default in FP32_KINDS and kind in FP32_KINDS
-    return kind if interchangeable and (kind != "mkl" or mkl_packs_serve_any_rows()) else default
+    kinds = fp32_kinds() if dtype == torch.float32 else ()
+    return kind if default in kinds and kind in kinds else default
 
 
 def available_bytes() -> int | None:
