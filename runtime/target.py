@@ -26,7 +26,8 @@ import torch
 from transformers import PreTrainedModel
 
 from headstart.runtime.attention import AttentionLayout, MaskBuffer, Packing, use_grouped_sdpa
-from headstart.runtime.kernels import Prepacked, prepack_linears
+from headstart.runtime.fused import FusedStack
+from headstart.runtime.kernels import Prepacked, packing_kind, prepack_linears
 from headstart.runtime.kvcache import SlotCache
 from headstart.runtime.tree import DraftTree, tree_visibility
 
@@ -86,8 +87,12 @@ class Target:
         self.dtype = model.dtype
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.layout = AttentionLayout(model.config)
-        self.packed = prepack_linears(model) if fast else Prepacked()
         self.grouped = use_grouped_sdpa(model) if fast else False
+        # a Llama-style model runs the fused stack (runtime/fused.py), whose products are packed there
+        fusable = self.grouped and FusedStack.refusal(model) is None
+        self.fused = FusedStack(model, packing_kind(model)) if fusable else None
+        skip = self.fused.fused_modules if self.fused else frozenset()
+        self.packed = prepack_linears(model, skip=skip) if fast else Prepacked()
         self._lm_head_clock: list[float] | None = None  # [start, seconds] while `timing_lm_head` is on
         self.cache = SlotCache(slots)  # full on every layer, sliding-window ones too (runtime/attention.py)
         self.lengths = [0] * slots  # tokens committed per slot
@@ -97,7 +102,10 @@ class Target:
     def use_kernels(self, kind: str) -> None:
         """Pack the linear layers again as `kind` (float32: one of `kernels.FP32_KINDS`) where they are packed."""
         if self.packed.kind != "none":
-            self.packed = prepack_linears(self.model, kind)
+            skip = self.fused.fused_modules if self.fused else frozenset()
+            self.packed = prepack_linears(self.model, kind, skip)
+            if self.fused is not None:
+                self.fused.repack(self.packed.kind)
 
     @property
     def slots(self) -> int:
@@ -292,6 +300,8 @@ class Target:
         self.cache.feed(first, list(starts), max(sizes) if sizes else ids.shape[1], sizes, kv_len)
         if self._lm_head_clock is not None:
             self._lm_head_clock[1] = 0.0
+        if self.fused is not None:
+            return self.fused(ids, mask, positions, self.cache, _hidden_states_wanted(layers), logits_to_keep, packing)
         return self.model(
             input_ids=ids,
             attention_mask=mask,

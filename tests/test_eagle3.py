@@ -228,3 +228,28 @@ def test_fused_layers_are_named_in_each_engines_numbering(tmp_path):
     eight, _ = saved_head(tmp_path / "e")  # 8 layers: the engines' own (2, 4, 5), named all the same
     config = json.loads((export_heads(eight, tmp_path / "ef") / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        ({}, None),
+        ({"norm_before_fc": True}, None),  # llama.cpp reads it (an RMSNorm over the fused states before fc)
+        ({"num_layers": 2}, "2 draft layers (it runs exactly 1)"),
+        ({"layers": [1, 2, 3, 4, 5]}, "5 fused layers (it fuses exactly 3)"),
+        ({"fc_norm": True}, "fc_norm (it has no per-state norms before fc)"),
+        ({"norm_output": True}, "norm_output (its next step reads the output before the final norm)"),
+    ],
+)
+def test_export_for_llamacpp_refuses_what_it_would_draft_otherwise(tmp_path, capsys, options, refused):
+    """`headstart export --for llamacpp`: the variants llama.cpp (0.3.36's) runs are written, the others refused in one
+    line naming what it would not run, before any file is written (`make test-llamacpp` serves both kinds)."""
+    heads_dir, _ = saved_head(tmp_path, **options)
+    code = cli(["export", str(heads_dir), str(tmp_path / "out"), "--for", "llamacpp"])
+    err = capsys.readouterr().err
+    if refused is None:
+        assert code == 0 and (tmp_path / "out" / "model.safetensors").exists()
+    else:
+        assert code == 2 and f"llama.cpp would not run this head's {refused}" in err and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()
+    assert cli(["export", str(heads_dir), str(tmp_path / "vllm"), "--for", "vllm"]) == 0  # vLLM runs every variant

@@ -285,7 +285,9 @@ def test_a_batch_packed_end_to_end_scores_as_padded_and_writes_only_its_rows(mon
         model = tiny_llama(vocab_size=64, init_std=0.2).double()
         target = Target(model, fast=fast, slots=3)
         if fast:
-            hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: rows_seen.append(a[0].shape[1]))
+            hook = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+                lambda m, a: rows_seen.append(a[0].shape[1])
+            )
         for slot, p in enumerate(prompts):
             target.prefill(p, slot=slot)
         rounds = []
@@ -320,7 +322,9 @@ def test_float32_trees_of_a_batch_feed_their_own_rows_and_score_as_the_stock_tar
         target = Target(model, fast=fast, slots=3)
         if fast:
             target.use_kernels("mkl")
-            hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: rows_seen.append(a[0].shape[1]))
+            hook = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+                lambda m, a: rows_seen.append(a[0].shape[1])
+            )
         for slot, p in enumerate(prompts):
             target.prefill(p, slot=slot)
         rounds = []

@@ -35,6 +35,14 @@ def add_parsers(sub) -> None:
         help="speculators format: the target whose input embedding it stores (embedded name, HF model directory "
         "or .gguf file; default: the model the heads were trained for)",
     )
+    ex.add_argument(
+        "--for",
+        dest="engine",
+        default=None,
+        choices=("vllm", "llamacpp"),
+        help="refuse heads this engine would draft otherwise (llama.cpp: one draft layer, 3 fused layers, no fc_norm "
+        "or norm_output); default: no engine check",
+    )
     ex.set_defaults(run=cmd_export)
 
     cv = sub.add_parser("convert", help="write published Medusa / EAGLE / EAGLE-3 heads as headstart heads")
@@ -80,7 +88,10 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     embedding = None
     if args.format == "speculators":
         embedding = trained_for_embedding(args.heads, args.model)
-    print(export_heads(args.heads, args.out, args.format, args.target, resolve=target_name, embedding=embedding))
+    out = export_heads(
+        args.heads, args.out, args.format, args.target, resolve=target_name, embedding=embedding, engine=args.engine
+    )
+    print(out)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_check import engine_args, export_for_vllm, vllm_acceptance, vllm_side  # noqa: E402
+from vllm_check import engine_args, export_for, vllm_acceptance, vllm_side  # noqa: E402
 
 CHAIN = 3
 METHODS = {  # label -> (drafter spec, options, profile)
@@ -80,7 +80,7 @@ def main() -> int:
     p = engine_args(__doc__.split("\n")[0], 128, "vllm-bench")
     p.add_argument("--doc", default=None, help="also write the table into this Markdown file (docs/benchmarks.md)")
     args = p.parse_args()
-    heads, out, model_dir, draft = export_for_vllm(args)
+    heads, out, model_dir, draft = export_for(args)
     sha = hashlib.sha256((heads / "model.safetensors").read_bytes()).hexdigest()[:12]
 
     texts = [pr.text for pr in load_prompts(ROOT / TEST_PROMPTS, limit=args.prompts)]

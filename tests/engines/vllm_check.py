@@ -203,8 +203,9 @@ def rewrite_as(heads: Path, variant: str, out: Path) -> Path:
     return save_heads(out, rewritten, "eagle3", options, config.target, {**extra, "dtype": "float32"})
 
 
-def export_for_vllm(args: argparse.Namespace) -> tuple[Path, Path, str, Path]:
-    """(heads, a fresh out folder, the embedded model's directory, the heads exported into out/eagle3)."""
+def export_for(args: argparse.Namespace, engine: str = "vllm") -> tuple[Path, Path, str, Path]:
+    """(heads, a fresh out folder, the embedded model's directory, the heads exported for `engine` into out/eagle3);
+    `heads.export.ExportError` where the export refuses them for that engine."""
     from headstart.heads.checkpoint import shipped_heads
     from headstart.heads.export import export_heads
     from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
@@ -218,7 +219,7 @@ def export_for_vllm(args: argparse.Namespace) -> tuple[Path, Path, str, Path]:
     if getattr(args, "variant", None):
         heads = rewrite_as(heads, args.variant, out / "variant-heads")
     model_dir = str(resolve_model_dir(DEFAULT_MODEL))
-    return heads, out, model_dir, export_heads(heads, out / "eagle3", resolve=lambda name: model_dir)
+    return heads, out, model_dir, export_heads(heads, out / "eagle3", resolve=lambda name: model_dir, engine=engine)
 
 
 def vllm_acceptance(counters: dict) -> tuple[float, int, list]:
@@ -234,7 +235,7 @@ def main() -> int:
     from headstart.runtime.prompts import load_prompts
 
     args = engine_args(__doc__.split("\n")[0], 96, "vllm-check").parse_args()
-    heads, out, model_dir, draft = export_for_vllm(args)
+    heads, out, model_dir, draft = export_for(args)
     prompts = [pr.text for pr in load_prompts(ROOT / TEST_PROMPTS, limit=args.prompts)]
     ours = headstart_side(heads, prompts, args.max_tokens)
     (out / "prompt_ids.json").write_text(json.dumps(ours["prompt_ids"]))
