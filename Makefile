@@ -140,6 +140,11 @@ llamacpp: $(LLAMACPP_HOME)/.built
 # llama-server (draft-eagle3, chains of 3, float32, T = 0, 8 prompts): the same text as llama.cpp plain and as headstart,
 # accepted / drafted within 10 % of headstart's chain of 3 (tests/engines/llamacpp_check.py); then each EAGLE-3 variant:
 # norm_before_fc at parity, the four llama.cpp would draft otherwise refused by the export
+# headstart beside llama.cpp, batch 1, float32 and bfloat16 (F32 / BF16 GGUFs of the same weights), 3 repeats on
+# held-out chat prompts of their own, systems alternating prompt by prompt: docs/benchmarks.md (tests/engines/llamacpp_bench.py)
+bench-llamacpp: install $(LLAMACPP_HOME)/.built $(VENV)/.llamacpp-convert
+	$(BIN)/python tests/engines/llamacpp_bench.py --llamacpp $(LLAMACPP_HOME) --doc docs/benchmarks.md $(LLAMACPP_BENCH_ARGS)
+
 # the converter runs in .venv with the gguf-py it ships; of its requirements only sentencepiece is missing there
 # (its own pins, torch 2.11 and transformers 4.57, are not needed: it reads the model with ours)
 $(VENV)/.llamacpp-convert: $(VENV)/.installed

@@ -126,7 +126,6 @@ class FusedStack:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm = inner.norm
-        self.lm_head = model.get_output_embeddings()
         self.layers = [FusedLayer(layer, model.config, kind) for layer in inner.layers]
         self.fused_modules = frozenset(
             id(m)
@@ -197,4 +196,5 @@ class FusedStack:
         if n in wanted:
             hidden[n] = h
         rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return FusedOutput(self.lm_head(h[:, rows]), hidden)
+        # the lm_head read from the model at each call: prepacking swaps it after the stack is built
+        return FusedOutput(self.model.get_output_embeddings()(h[:, rows]), hidden)

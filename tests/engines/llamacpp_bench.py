@@ -1,0 +1,210 @@
+"""`make bench-llamacpp`: headstart beside llama.cpp on the same model, prompts and machine, one request at a time.
+
+    .venv/bin/python tests/engines/llamacpp_bench.py [--dtypes float32,bfloat16] [--prompts N] [--repeats R]
+
+The embedded model converted by llama.cpp's own converter from headstart's weights (F32 and BF16 GGUFs, cached
+beside the build of `make llamacpp`), T = 0, batch 1, held-out chat prompts (the committed held-out ids, never
+trained on; not the tune prompts), 128 new tokens. Per dtype:
+  llama.cpp (`llama-server`, 2 threads, one server a mode, all started before the first prompt): plain,
+  ngram-simple 3/6 and with its defaults, ngram-mod, draft-eagle3 with headstart's exported EAGLE-3 head (chains of
+  3, `headstart export --for llamacpp`, converted by llama.cpp's converter);
+  headstart (`Engine` in this process, its defaults for the dtype): plain, eagle3+lookup, eagle+lookup,
+  eagle+suffix.
+Every system answers a prompt before any answers the next, the order rotated prompt by prompt, so the machine's
+drift falls on all alike. tok/s counts prefill and decoding (a request's wall time; the server's HTTP round trip
+on llama.cpp's side, well under a millisecond). Each repeat sends prompts of its own (no prompt twice); a row's
+figure is the median of the repeats' tok/s (each: its tokens over its seconds). Answers are compared with each
+side's plain answers (the same text at T = 0, or not). Prints the tables, writes them with the CPU's name into
+FILE (docs/benchmarks.md) between `<!-- llamacpp-bench -->` markers, and every figure to OUT/llamacpp-bench.json.
+Registered background jobs (training, distillation) are paused throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llamacpp_check import LLAMACPP_HOME, complete, convert, llama_server, target_gguf
+from serve_bench import write_heldout
+
+ROOT = Path(__file__).resolve().parents[2]
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+LLAMACPP_MODES = {  # label -> llama-server arguments ({draft}: the converted head)
+    "llama.cpp plain": [],
+    "llama.cpp ngram-simple 3/6": [
+        *("--spec-type", "ngram-simple"),
+        *("--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "6"),
+    ],
+    "llama.cpp ngram-simple (defaults)": ["--spec-type", "ngram-simple"],
+    "llama.cpp ngram-mod": ["--spec-type", "ngram-mod"],
+    "llama.cpp draft-eagle3 (our head, n_max 3)": [
+        *("--spec-type", "draft-eagle3", "-md", "{draft}"),
+        *("--spec-draft-n-max", "3", "--spec-draft-p-min", "0"),
+    ],
+}
+HEADSTART_METHODS = ("none", "eagle3+lookup", "eagle+lookup", "eagle+suffix")
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def run_dtype(dtype: str, args, home: Path, model_dir: Path, draft: Path, prompts: list[list[list[int]]]) -> dict:
+    """{label: {"tok/s": [per repeat], "same as plain": n, "answers": n}} for every system in one dtype."""
+    from headstart.runtime.apps.bench import run_method
+    from headstart.runtime.engine import Engine
+    from headstart.runtime.sampling import SamplingParams
+
+    gguf = target_gguf(home, sys.executable, model_dir, GGUF_TYPES[dtype])
+    engine = Engine.load(dtype=dtype)
+    drafters = {m: engine.make_drafter(m) for m in HEADSTART_METHODS}
+    labels = [*LLAMACPP_MODES, *(f"headstart {'plain' if m == 'none' else m}" for m in HEADSTART_METHODS)]
+    figures = {label: {"tokens": [], "seconds": [], "answers": []} for label in labels}
+    with contextlib.ExitStack() as stack:
+        urls = {
+            label: stack.enter_context(
+                llama_server(
+                    home / "build/bin",
+                    gguf,
+                    [a.replace("{draft}", str(draft)) for a in extra],
+                    args.threads,
+                    Path(args.out) / f"server-{dtype}-{i}.log",
+                )
+            )
+            for i, (label, extra) in enumerate(LLAMACPP_MODES.items())
+        }
+
+        def answer(label: str, ids: list[int]) -> tuple[list[int], float]:
+            if label in urls:
+                got = complete(urls[label], [ids], args.max_tokens)
+                return got["token_ids"][0], got["seconds"]
+            method = label.removeprefix("headstart ").replace("plain", "none")
+            t0 = time.perf_counter()
+            run = run_method(engine, method, drafters, ids, SamplingParams(), args.max_tokens, 0)
+            return run.tokens, time.perf_counter() - t0
+
+        for label in labels:  # warm-up, on a prompt no repeat sends
+            answer(label, prompts[-1][0][:64])
+        for r, repeat in enumerate(prompts[: args.repeats]):
+            for f in figures.values():
+                f["tokens"].append(0)
+                f["seconds"].append(0.0)
+            for p, ids in enumerate(repeat):
+                shift = (r * len(repeat) + p) % len(labels)
+                for label in labels[shift:] + labels[:shift]:
+                    tokens, seconds = answer(label, ids)
+                    f = figures[label]
+                    f["tokens"][-1] += len(tokens)
+                    f["seconds"][-1] += seconds
+                    f["answers"].append(tokens)
+            print(f"{dtype}: repeat {r + 1} of {args.repeats} done", file=sys.stderr)
+    rows = {}
+    for label, f in figures.items():
+        plain = figures["llama.cpp plain" if label in LLAMACPP_MODES else "headstart plain"]["answers"]
+        rows[label] = {
+            "tok/s": [t / s for t, s in zip(f["tokens"], f["seconds"], strict=True)],
+            "same as plain": sum(a == b for a, b in zip(f["answers"], plain, strict=True)),
+            "same as headstart plain": sum(
+                a == b for a, b in zip(f["answers"], figures["headstart plain"]["answers"], strict=True)
+            ),
+            "answers": len(f["answers"]),
+        }
+    return rows
+
+
+def table(dtype: str, rows: dict) -> list[str]:
+    base = statistics.median(rows["llama.cpp plain"]["tok/s"])
+    own = statistics.median(rows["headstart plain"]["tok/s"])
+    lines = [
+        f"{dtype}:",
+        "",
+        "| system | tok/s (median) | repeats | vs llama.cpp plain | vs headstart plain | same text as its plain "
+        "| same text as headstart plain |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for label, row in rows.items():
+        med = statistics.median(row["tok/s"])
+        each = " / ".join(f"{x:.1f}" for x in row["tok/s"])
+        n = row["answers"]
+        lines.append(
+            f"| {label} | {med:.1f} | {each} | {med / base:.2f} | {med / own:.2f} | {row['same as plain']}/{n} "
+            f"| {row['same as headstart plain']}/{n} |"
+        )
+    return [*lines, ""]
+
+
+def main() -> int:
+    from transformers import AutoTokenizer
+
+    from headstart.heads.checkpoint import shipped_heads
+    from headstart.heads.export import export_heads
+    from headstart.runtime import background
+    from headstart.runtime.apps.bench_report import replace_section
+    from headstart.runtime.models import DEFAULT_MODEL, cache_dir, resolve_model_dir
+    from headstart.runtime.prompts import load_prompts
+    from headstart.runtime.tokens import prompt_ids
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--llamacpp", default=str(LLAMACPP_HOME), help="the folder `make llamacpp` builds into")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--prompts", type=int, default=8, help="held-out chat prompts a repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(cache_dir() / "runs" / "llamacpp-bench"))
+    p.add_argument("--doc", default=None, help="also write the tables into this Markdown file (docs/benchmarks.md)")
+    args = p.parse_args()
+    home = Path(args.llamacpp)
+    if not (home / ".built").exists():
+        sys.exit(f"no llama.cpp build in {home}: run `make llamacpp`")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_dir(DEFAULT_MODEL)
+    head_dir = out / "eagle3"
+    if not head_dir.exists():
+        export_heads(
+            shipped_heads(DEFAULT_MODEL, "eagle3"), head_dir, resolve=lambda name: str(model_dir), engine="llamacpp"
+        )
+    draft = out / "eagle3-f32.gguf"
+    if not draft.exists():
+        convert(home / "llama.cpp", sys.executable, head_dir, draft, "f32", model_dir)
+
+    needed = args.prompts * (args.repeats + 1)  # + one set for the warm-up
+    write_heldout(out / "heldout-chat.jsonl", needed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    texts = [pr.text for pr in load_prompts(out / "heldout-chat.jsonl")]
+    ids = [prompt_ids(tokenizer, t) for t in texts]
+    prompts = [ids[i : i + args.prompts] for i in range(0, needed, args.prompts)]
+
+    results, lines = {}, []
+    with background.paused():
+        for dtype in args.dtypes.split(","):
+            results[dtype] = run_dtype(dtype, args, home, model_dir, draft, prompts)
+            lines += table(dtype, results[dtype])
+    (out / "llamacpp-bench.json").write_text(json.dumps(results, indent=2))
+    head = (
+        f"`make bench-llamacpp`, {time.strftime('%Y-%m-%d')}, {cpu_name()} ({args.threads} threads): T = 0, batch 1, "
+        f"{args.prompts} held-out chat prompts a repeat, {args.repeats} repeats on prompts of their own, "
+        f"{args.max_tokens} new tokens; llama.cpp 0.3.36's (0c1e570), the same weights converted by its converter"
+    )
+    text = "\n".join([head, "", *lines])
+    print(text)
+    if args.doc:
+        replace_section(Path(args.doc), "llamacpp-bench", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
