@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headstart.heads.masks import additive_mask, causal_after
@@ -68,6 +69,13 @@ def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """`norm` (a Llama-style RMSNorm: `weight`, `variance_epsilon`) of `x`, in its roundings (normalised in float32,
+    rounded to x's dtype, then scaled) with half its dispatches."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
+    return norm.weight * normed
+
+
 class FusedLayer:
     """One decoder layer's fused weights and norms (the layer's own modules, read, never copied)."""
 
@@ -99,19 +107,17 @@ class FusedLayer:
     def __call__(self, h, cos, sin, mask, cache, packing) -> torch.Tensor:
         B, q, _ = h.shape
         H, G, D = self.heads, self.kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(h)).view(B, q, H + 2 * G, D)  # (B, q, H + 2G, D)
+        qkv = self.qkv(rms_norm(h, self.input_norm)).view(B, q, H + 2 * G, D)  # (B, q, H + 2G, D)
         qk, v = qkv[:, :, : H + G], qkv[:, :, H + G :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        half = D // 2
-        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-        qk = qk * cos + rotated * sin  # rotary on q and k at once: (B, q, H + G, D)
+        qk = qk * cos + qk.roll(D // 2, -1) * sin  # rotary on q and k at once (`sin` signed): (B, q, H + G, D)
         query = qk[:, :, :H].transpose(1, 2)  # (B, H, q, D)
         key, value = cache.update(qk[:, :, H:].transpose(1, 2), v.transpose(1, 2), self.layer_idx)  # (B', G, k, D)
         extra = {} if packing is None else {"packing": packing}
         out, _ = grouped_sdpa(self.attn, query, key, value, mask, scaling=self.scaling, **extra)  # (B, q, H, D)
         h = h + self.attn.o_proj(out.reshape(B, q, H * D))
-        gate_up = self.gate_up(self.post_norm(h))  # (B, q, 2I)
+        gate_up = self.gate_up(rms_norm(h, self.post_norm))  # (B, q, 2I)
         act = self.act(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
         return h + self.mlp.down_proj(act)
 
@@ -160,6 +166,8 @@ class FusedStack:
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "an unexpected module layout"
+        if not hasattr(inner.norm, "variance_epsilon"):
+            return f"its norm ({type(inner.norm).__name__}) is not Llama's RMSNorm"
         return None
 
     def __call__(
@@ -181,6 +189,8 @@ class FusedStack:
             past = int(positions[0, 0])
             mask = additive_mask(causal_after(past, q), h.dtype, h.device)
         cos, sin = self.rotary(h, positions)  # (B, q, D)
+        half = sin.shape[-1] // 2  # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, q, 1, D): every head
         n = len(self.layers)
         wanted = set(range(n + 1)) if hidden_wanted is True else set(hidden_wanted or ())
@@ -192,7 +202,7 @@ class FusedStack:
             h = layer(h, cos, sin, mask, cache, packing)
             if i + 1 in wanted and i + 1 < n:
                 hidden[i + 1] = h
-        h = self.norm(h)
+        h = rms_norm(h, self.norm)
         if n in wanted:
             hidden[n] = h
         rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
