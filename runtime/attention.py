@@ -207,6 +207,8 @@ def use_grouped_sdpa(model: nn.Module) -> bool:
     stock SDPA through it, and packed rows: `Packing`); False, unchanged, for any other attention implementation
     (eager, flash, flex: their own kernels)."""
     config = model.config
+    if config._attn_implementation == GROUPED_SDPA:  # switched already (another Target over the same model)
+        return True
     if config._attn_implementation != "sdpa" or not getattr(config, "num_attention_heads", None):
         return False
     _register()

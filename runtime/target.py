@@ -8,10 +8,11 @@ Several sequences share a forward (`verify_batch`): each owns a slot of the cach
 packed end to end with the others' (padded to the widest tree's without the fast path's attention), every row
 masked to its own sequence's keys.
 No modeling file is copied: the model's own forward runs with a float 4D tree mask and explicit
-position ids. The fast path (on by default) is in three small pieces: a preallocated cache that commits a branch
-by moving only its rows (runtime/kvcache.py), prepacked linear kernels (runtime/kernels.py) and grouped-query
-attention that does not copy the cache for a tree (runtime/attention.py); the forward, the masks and the loop are
-the same with it off.
+position ids. The fast path (on by default) is in four small pieces: a preallocated cache that commits a branch
+by moving only its rows (runtime/kvcache.py), prepacked linear kernels (runtime/kernels.py), grouped-query
+attention that does not copy the cache for a tree (runtime/attention.py), and for Llama-style targets the same
+layers run with fused products and few dispatches (runtime/fused.py); the masks and the loop are the same with it
+off.
 """
 
 from __future__ import annotations

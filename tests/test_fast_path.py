@@ -341,3 +341,56 @@ def test_float32_trees_of_a_batch_feed_their_own_rows_and_score_as_the_stock_tar
         for lp, lq in zip(fast_round, stock_round, strict=True):
             assert lp.shape == lq.shape
             torch.testing.assert_close(lp, lq, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(not kernels.onednn_bf16_supported(), reason="no oneDNN bf16 kernels on this CPU"),
+        ),
+        torch.float64,
+    ],
+)
+def test_the_fused_stack_computes_the_generic_forward(dtype):
+    """runtime/fused.py runs the model's own layers with q/k/v and gate/up fused: the same roundings in the same order
+    as transformers' forward over the same modules. In bfloat16 (oneDNN's packed kernels, whose products give each
+    output the same sums whatever the width) every output is bitwise equal; in float64 (the stock GEMM, which blocks a
+    fused product otherwise than three) equal to 1e-10. Checked through a prefill (features of layers 1 and -1), plain
+    steps, a tree whose accepted branch is committed, and a batch of two sequences' trees packed end to end."""
+    tree = DraftTree([4, 5, 6], [-1, 0, -1])
+    outs = []
+    for fused in (True, False):
+        model = tiny_llama(vocab_size=64, init_std=0.2, hidden_size=128).to(dtype)
+        target = Target(model, slots=2)
+        assert target.fused is not None
+        if not fused:
+            target.fused = None  # transformers' forward over the same modules (q/k/v now views of the fused weight)
+        got = [target.prefill(PROMPT, layers=(1, -1)), target.prefill(PROMPT[:5], layers=(1, -1), slot=1)]
+        for step in range(2):
+            v = target.verify(11 + step, DraftTree(), layers=(1, -1))
+            target.commit([])
+            got += [v.logits, v.hidden]
+        v = target.verify(13, tree, layers=(-1,))
+        target.commit([0, 1])
+        got += [v.logits, v.hidden]
+        for v in target.verify_batch([14, 15], [tree, DraftTree([7], [-1])], layers=(-1,)):
+            got += [v.logits, v.hidden]
+        got += [target.cache.layers[1]._k[:, :, : max(target.lengths)].clone()]
+        outs.append(got)
+    for a, b in zip(*outs, strict=True):
+        assert a.shape == b.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_a_second_target_over_the_same_model_keeps_the_fast_path():
+    """The first Target switches the model's attention to grouped SDPA; a second one over the same model (a drafter's
+    view of it, a new Engine) must see that as the fast path's, not as another attention it leaves alone."""
+    model = tiny_llama(vocab_size=64)
+    first, second = Target(model), Target(model)
+    assert first.grouped and second.grouped and second.fused is not None
+    assert model.config._attn_implementation == GROUPED_SDPA
