@@ -186,7 +186,7 @@ class FusedStack:
         h = self.embed(ids)  # (B, q, H)
         q = h.shape[1]
         if mask is None and q > 1:  # a prefill chunk: causal over the slot's cached rows, as the model's own mask
-            past = int(positions[0, 0])
+            past = cache.starts[0]  # the fed slot's first new row (no sync: the cache's bookkeeping)
             mask = additive_mask(causal_after(past, q), h.dtype, h.device)
         cos, sin = self.rotary(h, positions)  # (B, q, D)
         half = sin.shape[-1] // 2  # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
