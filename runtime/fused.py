@@ -81,7 +81,6 @@ class FusedLayer:
 
     def __init__(self, layer: nn.Module, config, kind: str) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.kind = kind
         self.attn = attn
         self.head_dim = attn.head_dim
         self.heads = config.num_attention_heads
@@ -102,7 +101,6 @@ class FusedLayer:
         """Prepack the fused products again as `kind`."""
         self.qkv = _linear(self.qkv.weight.detach(), self.qkv.bias, kind)
         self.gate_up = _linear(self.gate_up.weight.detach(), self.gate_up.bias, kind)
-        self.kind = kind
 
     def __call__(self, h, cos, sin, mask, cache, packing) -> torch.Tensor:
         B, q, _ = h.shape

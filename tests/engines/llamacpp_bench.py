@@ -7,14 +7,15 @@ beside the build of `make llamacpp`), T = 0, batch 1, held-out chat prompts (the
 trained on; not the tune prompts), 128 new tokens. Per dtype:
   llama.cpp (`llama-server`, 2 threads, one server a mode, all started before the first prompt): plain,
   ngram-simple 3/6 and with its defaults, ngram-mod, draft-eagle3 with headstart's exported EAGLE-3 head (chains of
-  3, `headstart export --for llamacpp`, converted by llama.cpp's converter);
+  3, `headstart export --for llamacpp`, converted by llama.cpp's converter); and the `llama-lookup` CLI with n_max 3
+  and 8 (one process a prompt, timed by its own encode + decode figures, so its model load is not counted);
   headstart (`Engine` in this process, its defaults for the dtype): plain, eagle3+lookup, eagle+lookup,
   eagle+suffix.
 Every system answers a prompt before any answers the next, the order rotated prompt by prompt, so the machine's
 drift falls on all alike. tok/s counts prefill and decoding (a request's wall time; the server's HTTP round trip
 on llama.cpp's side, well under a millisecond). Each repeat sends prompts of its own (no prompt twice); a row's
-figure is the median of the repeats' tok/s (each: its tokens over its seconds). Answers are compared with each
-side's plain answers (the same text at T = 0, or not). Prints the tables, writes them with the CPU's name into
+figure is the median of the repeats' tok/s (each: its tokens over its seconds). Answers are compared as text
+with each side's plain answers (the same text at T = 0, or not). Prints the tables, writes them with the CPU's name into
 FILE (docs/benchmarks.md) between `<!-- llamacpp-bench -->` markers, and every figure to OUT/llamacpp-bench.json.
 Registered background jobs (training, distillation) are paused throughout.
 """
@@ -25,7 +26,9 @@ import argparse
 import contextlib
 import json
 import platform
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +53,26 @@ LLAMACPP_MODES = {  # label -> llama-server arguments ({draft}: the converted he
         *("--spec-draft-n-max", "3", "--spec-draft-p-min", "0"),
     ],
 }
+# llama.cpp's `llama-lookup` CLI (prompt lookup with its n-gram caches), n_max drafted tokens: it takes the prompt as
+# text (the chat template rendered with its special tokens, which it parses back to the same ids) and reports its
+# own encode and decode times
+LOOKUP_MODES = {"llama.cpp llama-lookup n_max 3": 3, "llama.cpp llama-lookup n_max 8": 8}
 HEADSTART_METHODS = ("none", "eagle3+lookup", "eagle+lookup", "eagle+suffix")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def lookup(bin_dir: Path, gguf: Path, prompt: str, n_max: int, max_tokens: int, threads: int) -> tuple[str, int, float]:
+    """`llama-lookup` on one prompt: (the text it wrote after the prompt, tokens decoded, encode + decode seconds)."""
+    # it stops once it has decoded more than -n tokens: -n max_tokens - 1 decodes max_tokens, as the others do
+    cmd = [str(bin_dir / "llama-lookup"), "-m", str(gguf), "-p", prompt, "-n", str(max_tokens - 1), "-t", str(threads)]
+    cmd += ["-c", "4096", "--temp", "0", "--spec-draft-n-max", str(n_max)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    timed = re.findall(r"(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds", done.stderr)
+    if done.returncode != 0 or len(timed) != 2:
+        sys.exit(f"llama-lookup failed ({' '.join(cmd[:4])} ...):\n{done.stderr[-2000:]}")
+    text = ANSI.sub("", done.stdout)
+    text = text.split(prompt, 1)[1] if prompt in text else text
+    return text.split("\n\n\n")[0], int(timed[1][1]), float(timed[0][2]) + float(timed[1][2])
 
 
 def cpu_name() -> str:
@@ -62,7 +84,8 @@ def cpu_name() -> str:
 
 
 def run_dtype(dtype: str, args, home: Path, model_dir: Path, draft: Path, prompts: list[list[list[int]]]) -> dict:
-    """{label: {"tok/s": [per repeat], "same as plain": n, "answers": n}} for every system in one dtype."""
+    """{label: {"tok/s": [per repeat], "same as plain": n, "answers": n}} for every system in one dtype (texts
+    compared: the answers' tokens decoded, the CLI's written text)."""
     from headstart.runtime.apps.bench import run_method
     from headstart.runtime.engine import Engine
     from headstart.runtime.sampling import SamplingParams
@@ -70,7 +93,9 @@ def run_dtype(dtype: str, args, home: Path, model_dir: Path, draft: Path, prompt
     gguf = target_gguf(home, sys.executable, model_dir, GGUF_TYPES[dtype])
     engine = Engine.load(dtype=dtype)
     drafters = {m: engine.make_drafter(m) for m in HEADSTART_METHODS}
-    labels = [*LLAMACPP_MODES, *(f"headstart {'plain' if m == 'none' else m}" for m in HEADSTART_METHODS)]
+    tokenizer = engine.tokenizer
+    ours = [f"headstart {'plain' if m == 'none' else m}" for m in HEADSTART_METHODS]
+    labels = [*LLAMACPP_MODES, *LOOKUP_MODES, *ours]
     figures = {label: {"tokens": [], "seconds": [], "answers": []} for label in labels}
     with contextlib.ExitStack() as stack:
         urls = {
@@ -86,14 +111,23 @@ def run_dtype(dtype: str, args, home: Path, model_dir: Path, draft: Path, prompt
             for i, (label, extra) in enumerate(LLAMACPP_MODES.items())
         }
 
-        def answer(label: str, ids: list[int]) -> tuple[list[int], float]:
+        def answer(label: str, ids: list[int]) -> tuple[str, int, float]:
+            """(the answer's text, its tokens, seconds): texts are compared, as the CLI writes text"""
+            if label in LOOKUP_MODES:
+                prompt = tokenizer.decode(ids, skip_special_tokens=False)
+                text, n, seconds = lookup(
+                    home / "build/bin", gguf, prompt, LOOKUP_MODES[label], args.max_tokens, args.threads
+                )
+                return text.replace(tokenizer.eos_token or "\0", "").strip(), n, seconds
             if label in urls:
                 got = complete(urls[label], [ids], args.max_tokens)
-                return got["token_ids"][0], got["seconds"]
-            method = label.removeprefix("headstart ").replace("plain", "none")
-            t0 = time.perf_counter()
-            run = run_method(engine, method, drafters, ids, SamplingParams(), args.max_tokens, 0)
-            return run.tokens, time.perf_counter() - t0
+                tokens, seconds = got["token_ids"][0], got["seconds"]
+            else:
+                method = label.removeprefix("headstart ").replace("plain", "none")
+                t0 = time.perf_counter()
+                tokens = run_method(engine, method, drafters, ids, SamplingParams(), args.max_tokens, 0).tokens
+                seconds = time.perf_counter() - t0
+            return tokenizer.decode(tokens, skip_special_tokens=True).strip(), len(tokens), seconds
 
         for label in labels:  # warm-up, on a prompt no repeat sends
             answer(label, prompts[-1][0][:64])
@@ -104,15 +138,15 @@ def run_dtype(dtype: str, args, home: Path, model_dir: Path, draft: Path, prompt
             for p, ids in enumerate(repeat):
                 shift = (r * len(repeat) + p) % len(labels)
                 for label in labels[shift:] + labels[:shift]:
-                    tokens, seconds = answer(label, ids)
+                    text, tokens, seconds = answer(label, ids)
                     f = figures[label]
-                    f["tokens"][-1] += len(tokens)
+                    f["tokens"][-1] += tokens
                     f["seconds"][-1] += seconds
-                    f["answers"].append(tokens)
+                    f["answers"].append(text)
             print(f"{dtype}: repeat {r + 1} of {args.repeats} done", file=sys.stderr)
     rows = {}
     for label, f in figures.items():
-        plain = figures["llama.cpp plain" if label in LLAMACPP_MODES else "headstart plain"]["answers"]
+        plain = figures["headstart plain" if label in ours else "llama.cpp plain"]["answers"]
         rows[label] = {
             "tok/s": [t / s for t, s in zip(f["tokens"], f["seconds"], strict=True)],
             "same as plain": sum(a == b for a, b in zip(f["answers"], plain, strict=True)),
