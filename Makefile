@@ -112,14 +112,13 @@ $(SPEC_VENV)/.installed:
 test-speculators: install $(SPEC_VENV)/.installed
 	$(BIN)/python tests/engines/speculators_check.py --peer-python $(SPEC_VENV)/bin/python
 
-# llama.cpp built from source, once per machine (~10 minutes on 2 cores), outside the tree: the copy vendored in the
+# llama.cpp built from source, once per machine (~12 minutes on 2 cores), outside the tree: the copy vendored in the
 # llama-cpp-python 0.3.36 sdist from PyPI (llama.cpp commit 0c1e570), only the tools the checks and benches run.
 # Its vendor/llama.cpp/.git names a submodule the sdist lacks: removed before cmake. The converter
 # (convert_hf_to_gguf.py) runs from the same folder, with the gguf-py it ships.
 LLAMACPP_VERSION ?= 0.3.36
 LLAMACPP_HOME ?= $(HOME)/.cache/headstart/llamacpp/$(LLAMACPP_VERSION)
 LLAMACPP_SRC := $(LLAMACPP_HOME)/llama.cpp
-LLAMACPP_BIN := $(LLAMACPP_HOME)/build/bin
 LLAMACPP_TOOLS = llama-server llama-bench llama-lookup llama-cli
 $(LLAMACPP_HOME)/.built:
 	mkdir -p $(LLAMACPP_HOME)
@@ -136,10 +135,6 @@ $(LLAMACPP_HOME)/.built:
 
 llamacpp: $(LLAMACPP_HOME)/.built
 
-# the shipped EAGLE-3 head exported (`--for llamacpp`), converted by llama.cpp's own converter and drafted by its
-# llama-server (draft-eagle3, chains of 3, float32, T = 0, 8 prompts): the same text as llama.cpp plain and as headstart,
-# accepted / drafted within 10 % of headstart's chain of 3 (tests/engines/llamacpp_check.py); then each EAGLE-3 variant:
-# norm_before_fc at parity, the four llama.cpp would draft otherwise refused by the export
 # headstart beside llama.cpp, batch 1, float32 and bfloat16 (F32 / BF16 GGUFs of the same weights), 3 repeats on
 # held-out chat prompts of their own, systems alternating prompt by prompt: docs/benchmarks.md (tests/engines/llamacpp_bench.py)
 bench-llamacpp: install $(LLAMACPP_HOME)/.built $(VENV)/.llamacpp-convert
@@ -151,6 +146,10 @@ $(VENV)/.llamacpp-convert: $(VENV)/.installed
 	$(BIN)/pip install -q "sentencepiece>=0.1.98,<0.3.0"
 	touch $@
 
+# the shipped EAGLE-3 head exported (`--for llamacpp`), converted by llama.cpp's own converter and drafted by its
+# llama-server (draft-eagle3, chains of 3, float32, T = 0, 8 prompts): the same text as llama.cpp plain and as headstart,
+# accepted / drafted within 10 % of headstart's chain of 3 (tests/engines/llamacpp_check.py); then each EAGLE-3 variant:
+# norm_before_fc at parity, the four llama.cpp would draft otherwise refused by the export
 test-llamacpp: install $(LLAMACPP_HOME)/.built $(VENV)/.llamacpp-convert
 	$(BIN)/python tests/engines/llamacpp_check.py --llamacpp $(LLAMACPP_HOME) $(LLAMACPP_CHECK_ARGS)
 	for v in norm_before_fc five_fused two_layers fc_norm norm_output; do \

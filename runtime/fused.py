@@ -29,7 +29,7 @@ from torch import nn
 
 from headstart.heads.masks import additive_mask, causal_after
 from headstart.runtime.attention import AttentionLayout, Packing, grouped_sdpa
-from headstart.runtime.kernels import PackedLinear
+from headstart.runtime.kernels import PackedLinear, live_lora
 
 FUSED_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type the fused stack runs
 
@@ -112,8 +112,7 @@ class FusedLayer:
         qk = qk * cos + qk.roll(D // 2, -1) * sin  # rotary on q and k at once (`sin` signed): (B, q, H + G, D)
         query = qk[:, :, :H].transpose(1, 2)  # (B, H, q, D)
         key, value = cache.update(qk[:, :, H:].transpose(1, 2), v.transpose(1, 2), self.layer_idx)  # (B', G, k, D)
-        extra = {} if packing is None else {"packing": packing}
-        out, _ = grouped_sdpa(self.attn, query, key, value, mask, scaling=self.scaling, **extra)  # (B, q, H, D)
+        out, _ = grouped_sdpa(self.attn, query, key, value, mask, scaling=self.scaling, packing=packing)  # (B, q, H, D)
         h = h + self.attn.o_proj(out.reshape(B, q, H * D))
         gate_up = self.gate_up(rms_norm(h, self.post_norm))  # (B, q, 2I)
         act = self.act(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
@@ -155,7 +154,7 @@ class FusedStack:
             return f"model type {config.model_type!r} (the fused stack runs {', '.join(FUSED_TYPES)})"
         if AttentionLayout(config).window is not None:
             return "sliding-window attention"
-        if any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        if live_lora(model):
             return "a live LoRA adapter"
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             return f"activation {config.hidden_act!r}"

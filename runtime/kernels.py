@@ -57,9 +57,14 @@ class Prepacked:
 def _packing(model: nn.Module) -> str:
     """Which packing suits `model`: "onednn" (CPU bf16), "mkl" (CPU fp32), or "none" (another device or dtype,
     a torch without the kernels, a live LoRA wrapping the layers)."""
-    if any(type(m).__module__.startswith("peft.") for m in model.modules()):
+    if live_lora(model):
         return "none"
     return _packing_for(next(model.parameters()))
+
+
+def live_lora(model: nn.Module) -> bool:
+    """Whether peft's LoRA wrappers sit in `model` (an adapter kept live, not merged): its layers are peft's."""
+    return any(type(m).__module__.startswith("peft.") for m in model.modules())
 
 
 def _packing_for(param: torch.Tensor) -> str:

@@ -92,8 +92,7 @@ class Target:
         # a Llama-style model runs the fused stack (runtime/fused.py), whose products are packed there
         fusable = self.grouped and FusedStack.refusal(model) is None
         self.fused = FusedStack(model, packing_kind(model)) if fusable else None
-        skip = self.fused.fused_modules if self.fused else frozenset()
-        self.packed = prepack_linears(model, skip=skip) if fast else Prepacked()
+        self.packed = prepack_linears(model, skip=self._fused_modules) if fast else Prepacked()
         self._lm_head_clock: list[float] | None = None  # [start, seconds] while `timing_lm_head` is on
         self.cache = SlotCache(slots)  # full on every layer, sliding-window ones too (runtime/attention.py)
         self.lengths = [0] * slots  # tokens committed per slot
@@ -103,10 +102,14 @@ class Target:
     def use_kernels(self, kind: str) -> None:
         """Pack the linear layers again as `kind` (float32: one of `kernels.FP32_KINDS`) where they are packed."""
         if self.packed.kind != "none":
-            skip = self.fused.fused_modules if self.fused else frozenset()
-            self.packed = prepack_linears(self.model, kind, skip)
+            self.packed = prepack_linears(self.model, kind, self._fused_modules)
             if self.fused is not None:
                 self.fused.repack(self.packed.kind)
+
+    @property
+    def _fused_modules(self) -> frozenset[int]:
+        """The linear layers the fused stack packs itself (prepack_linears leaves them)."""
+        return self.fused.fused_modules if self.fused is not None else frozenset()
 
     @property
     def slots(self) -> int:

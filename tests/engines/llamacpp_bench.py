@@ -27,6 +27,7 @@ import contextlib
 import json
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,12 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llamacpp_check import LLAMACPP_HOME, complete, convert, llama_server, target_gguf
+from llamacpp_check import LLAMACPP_HOME, complete, convert, draft_eagle3_args, llama_server, target_gguf
 from serve_bench import write_heldout
 
 ROOT = Path(__file__).resolve().parents[2]
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
-LLAMACPP_MODES = {  # label -> llama-server arguments ({draft}: the converted head)
+LLAMACPP_MODES = {  # label -> llama-server arguments (None: the converted head's, llamacpp_check.draft_eagle3_args)
     "llama.cpp plain": [],
     "llama.cpp ngram-simple 3/6": [
         *("--spec-type", "ngram-simple"),
@@ -48,10 +49,7 @@ LLAMACPP_MODES = {  # label -> llama-server arguments ({draft}: the converted he
     ],
     "llama.cpp ngram-simple (defaults)": ["--spec-type", "ngram-simple"],
     "llama.cpp ngram-mod": ["--spec-type", "ngram-mod"],
-    "llama.cpp draft-eagle3 (our head, n_max 3)": [
-        *("--spec-type", "draft-eagle3", "-md", "{draft}"),
-        *("--spec-draft-n-max", "3", "--spec-draft-p-min", "0"),
-    ],
+    "llama.cpp draft-eagle3 (our head, n_max 3)": None,
 }
 # llama.cpp's `llama-lookup` CLI (prompt lookup with its n-gram caches), n_max drafted tokens: it takes the prompt as
 # text (the chat template rendered with its special tokens, which it parses back to the same ids) and reports its
@@ -103,7 +101,7 @@ def run_dtype(dtype: str, args, home: Path, model_dir: Path, draft: Path, prompt
                 llama_server(
                     home / "build/bin",
                     gguf,
-                    [a.replace("{draft}", str(draft)) for a in extra],
+                    draft_eagle3_args(draft) if extra is None else extra,
                     args.threads,
                     Path(args.out) / f"server-{dtype}-{i}.log",
                 )
@@ -206,14 +204,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(DEFAULT_MODEL)
-    head_dir = out / "eagle3"
-    if not head_dir.exists():
-        export_heads(
-            shipped_heads(DEFAULT_MODEL, "eagle3"), head_dir, resolve=lambda name: str(model_dir), engine="llamacpp"
-        )
-    draft = out / "eagle3-f32.gguf"
-    if not draft.exists():
-        convert(home / "llama.cpp", sys.executable, head_dir, draft, "f32", model_dir)
+    head_dir = out / "eagle3"  # exported and converted at every run: the shipped head may have changed since the last
+    shutil.rmtree(head_dir, ignore_errors=True)
+    export_heads(
+        shipped_heads(DEFAULT_MODEL, "eagle3"), head_dir, resolve=lambda name: str(model_dir), engine="llamacpp"
+    )
+    draft = convert(home / "llama.cpp", sys.executable, head_dir, out / "eagle3-f32.gguf", "f32", model_dir)
 
     needed = args.prompts * (args.repeats + 1)  # + one set for the warm-up
     write_heldout(out / "heldout-chat.jsonl", needed)

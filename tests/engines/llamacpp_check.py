@@ -67,6 +67,20 @@ def target_gguf(home: Path, python: str, model_dir: Path, outtype: str = "f32") 
     return out
 
 
+def draft_eagle3_args(draft: Path) -> list[str]:
+    """llama-server's arguments to draft with the converted EAGLE-3 head `draft`: chains of STEPS, its default p-min."""
+    return [
+        "--spec-type",
+        "draft-eagle3",
+        "-md",
+        str(draft),
+        "--spec-draft-n-max",
+        str(STEPS),
+        "--spec-draft-p-min",
+        "0",
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,9 +166,7 @@ def main() -> int:
     ours_drafted = STEPS * ours["rounds"]
     ours_accepted = sum(ours["accepted_per_depth"])
     bin_dir = home / "build/bin"
-    spec = ["--spec-type", "draft-eagle3", "-md", str(draft), "--spec-draft-n-max", str(STEPS)]
-    spec += ["--spec-draft-p-min", "0"]
-    with llama_server(bin_dir, target, spec, args.threads, out / "server-eagle3.log") as url:
+    with llama_server(bin_dir, target, draft_eagle3_args(draft), args.threads, out / "server-eagle3.log") as url:
         theirs = complete(url, ours["prompt_ids"], args.max_tokens)
     plain = None
     if not args.variant:
