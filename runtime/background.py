@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from headstart.runtime.models import cache_dir
+from headstart.runtime.paths import cache_dir
 
 
 def folder() -> Path:

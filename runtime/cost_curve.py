@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from headstart.runtime.kernels import FP32_KINDS, fp32_kinds
-from headstart.runtime.models import cache_dir
+from headstart.runtime.paths import cache_dir
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree, choose_tree_shape, expected_acceptance_length
 
@@ -119,7 +119,8 @@ def choose_kernels(target: Target, cache: Path | None) -> str:
     """A float32 target on a CPU: pack it with whichever of `kernels.FP32_KINDS` makes its forward over 1-16 rows
     (the trees' range; the sum of ms at the counts of ROWS up to 16) cheaper on this machine, timed on the whole
     target once, then read from `cache` (a folder). MKL's packed GEMM wins on one CPU, oneDNN's on another
-    (`runtime/kernels.py`). Other targets keep their kernels. Returns the kind in use."""
+    (`runtime/kernels.py`). Other targets keep their kernels, the native ones included (they alone give a row the
+    same values at any row count: runtime/native.py). Returns the kind in use."""
     if target.dtype != torch.float32 or target.packed.kind not in FP32_KINDS:
         return target.packed.kind
     path = cache / f"kernels-{_key(target, 'fp32')}.json" if cache is not None else None

@@ -33,7 +33,8 @@ from headstart.runtime.drafters.registry import (
 )
 from headstart.runtime.drafters.together import measure_catch_up, measure_shared
 from headstart.runtime.generate import Chunk, GenerationStats, SharedPrefix, stream
-from headstart.runtime.models import DEFAULT_MODEL, cache_dir, load_model
+from headstart.runtime.models import DEFAULT_MODEL, load_model
+from headstart.runtime.paths import cache_dir
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.text import TextDecoder
 from headstart.runtime.tokens import chat_ids, eos_ids

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from headstart.heads.masks import additive_mask, causal_after
+from headstart.runtime import native
 from headstart.runtime.attention import AttentionLayout, Packing, grouped_sdpa
-from headstart.runtime.kernels import PackedLinear, live_lora
+from headstart.runtime.kernels import PackedLinear, live_lora, own_kind
 
 FUSED_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type the fused stack runs
 
@@ -42,6 +43,7 @@ class FusedOutput:
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> nn.Module:
     """x -> x @ weight.T + bias, prepacked as `kind` ("none": the stock kernel)."""
+    kind = own_kind(weight, kind)
     if kind != "none":
         return PackedLinear.from_weight(weight, bias, kind)
     linear = nn.Linear.__new__(nn.Linear)
@@ -130,6 +132,7 @@ class FusedStack:
         self.rotary = inner.rotary_emb
         self.norm = inner.norm
         self.layers = [FusedLayer(layer, model.config, kind) for layer in inner.layers]
+        self._native: native.Layers | bool | None = None  # native_layers(): None unbuilt, False refused
         self.fused_modules = frozenset(
             id(m)
             for layer in inner.layers
@@ -145,6 +148,15 @@ class FusedStack:
     def repack(self, kind: str) -> None:
         for layer in self.layers:
             layer.repack(kind)
+        self._native = None
+
+    def native_layers(self) -> native.Layers | None:
+        """The layers' weights as the native forward reads them (runtime/native.py), or None where any product of
+        theirs is not packed for it (the stack then runs in Python); built at first use, after the caller packed
+        the modules the stack reads from the model (o_proj, down_proj), and again when they were packed anew."""
+        if self._native is None or (self._native and not self._native.current(self.layers)):
+            self._native = native.layers(self.layers) or False
+        return self._native or None
 
     @staticmethod
     def refusal(model: nn.Module) -> str | None:
@@ -181,6 +193,12 @@ class FusedStack:
         the cache, as the model's own), the slot `cache` fed beforehand; hidden states as `output_hidden_states`
         (True: all, a list: those indices); logits of the last `logits_to_keep` rows (0: all; a tensor: those)."""
         h = self.embed(ids)  # (B, q, H)
+        if self.native_layers() is not None:
+            n = len(self.layers)
+            wanted = set(range(n + 1)) if hidden_wanted is True else set(hidden_wanted or ())
+            hidden, out = native.forward(self, h, mask, positions, cache, {k % (n + 1) for k in wanted}, packing)
+            rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            return FusedOutput(self.model.get_output_embeddings()(out[:, rows]), hidden)
         q = h.shape[1]
         if mask is None and q > 1:  # a prefill chunk: causal over the slot's cached rows, as the model's own mask
             past = cache.starts[0]  # the fed slot's first new row (no sync: the cache's bookkeeping)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -41,10 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headstart.runtime import native
+
 MKL_PACK_ROWS = (64, 256)  # float32 "mkl": the row counts its two copies are packed for (either computes any count)
 MKL_LARGE_ROWS = 96  # ... products over more rows than this read the second
 STOCK_ROWS = 2  # float32 under "mkl": up to this many rows the stock kernel (a GEMV) is the cheapest
-FP32_KINDS = ("mkl", "onednn")  # float32's packings, the default first
+FP32_KINDS = ("mkl", "onednn")  # float32's packings, the default first (where the native kind does not run)
+NATIVE = "native"  # runtime/native.py's products: the default for float32 and bfloat16 where its library builds
 ONEDNN_PACK_ROWS = 16  # bfloat16: the row count oneDNN chooses its packed layout for
 
 
@@ -70,6 +74,8 @@ def live_lora(model: nn.Module) -> bool:
 def _packing_for(param: torch.Tensor) -> str:
     if param.device.type != "cpu":
         return "none"
+    if native_enabled() and param.dtype in (torch.float32, torch.bfloat16):
+        return NATIVE
     if param.dtype == torch.bfloat16 and onednn_bf16_supported():
         return "onednn"
     if param.dtype == torch.float32:
@@ -82,6 +88,12 @@ def fp32_kinds() -> tuple[str, ...]:
     `mkl_packs_serve_any_rows`, less oneDNN's where torch is built without it."""
     usable = {"mkl": mkl_packs_serve_any_rows(), "onednn": torch.backends.mkldnn.is_available()}
     return tuple(kind for kind in FP32_KINDS if usable[kind])
+
+
+def native_enabled() -> bool:
+    """Whether the native products (runtime/native.py) pack by default: its library builds here and
+    HEADSTART_NATIVE is not 0."""
+    return os.environ.get("HEADSTART_NATIVE", "1") != "0" and native.library() is not None
 
 
 @functools.cache
@@ -143,16 +155,18 @@ class PackedLinear(nn.Linear):
         new.out_features, new.in_features = weight.shape
         new.weight, new.bias, new.kind = weight, bias, kind
         w = weight.detach()
-        if kind == "mkl":  # the copies for few and for many rows
+        if kind == NATIVE:
+            new.packs = [native.pack(w)]
+        elif kind == "mkl":  # the copies for few and for many rows
             new.packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in MKL_PACK_ROWS]
         else:
             new.packs = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)]
         return new
 
     def kernel(self, rows: int) -> str:
-        """Which kernel a product over `rows` rows runs: "onednn", "mkl" or "stock"."""
-        if self.kind == "onednn":
-            return "onednn"
+        """Which kernel a product over `rows` rows runs: "native", "onednn", "mkl" or "stock"."""
+        if self.kind in ("onednn", NATIVE):
+            return self.kind
         return "stock" if rows <= STOCK_ROWS else "mkl"
 
     def __deepcopy__(self, memo: dict) -> nn.Linear:
@@ -169,6 +183,8 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
         kernel = self.kernel(rows)
+        if kernel == NATIVE:
+            return native.linear(x, self.packs[0], self.bias)
         if kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packs[0], self.bias, "none", [], "")
         if kernel == "mkl":
@@ -180,14 +196,15 @@ class PackedLinear(nn.Linear):
 def packed_projection(weight: torch.Tensor, kind: str | None = None) -> PackedLinear | None:
     """x -> x @ weight.T with `weight` (N, H) prepacked (a drafter's readout) as `kind` (None: the default that
     suits it); None where no packing suits it."""
-    kind = _chosen(_packing_for(weight), kind, weight.dtype)
+    kind = own_kind(weight, _chosen(_packing_for(weight), kind, weight.dtype))
     return None if kind == "none" else PackedLinear.from_weight(weight.detach(), None, kind)
 
 
 def _chosen(default: str, kind: str | None, dtype: torch.dtype) -> str:
-    """`kind` where it may replace `default` (a float32 model's kinds are interchangeable; bfloat16 packs as oneDNN
-    only), else `default`."""
-    kinds = fp32_kinds() if dtype == torch.float32 else ()
+    """`kind` where it may replace `default` (a float32 model's kinds are interchangeable, a bfloat16 model's are
+    oneDNN's and the native ones), else `default`."""
+    kinds = {torch.float32: fp32_kinds(), torch.bfloat16: ("onednn",) if onednn_bf16_supported() else ()}
+    kinds = (*kinds.get(dtype, ()), *((NATIVE,) if native_enabled() and dtype in kinds else ()))
     return kind if default in kinds and kind in kinds else default
 
 
@@ -211,6 +228,17 @@ def prepack_like_target(target_lm_head: nn.Module, heads: nn.Module, readout) ->
         readout.project = packed_projection(readout.weight, target_lm_head.kind)
 
 
+def own_kind(weight: torch.Tensor, kind: str) -> str:
+    """`kind`, but where the native products cannot pack `weight` (its shape: runtime/native.packable) the kind
+    the stock packing would give it."""
+    if kind != NATIVE:
+        return kind
+    if native.packable(weight) is None:
+        return kind
+    fallback = "onednn" if weight.dtype == torch.bfloat16 and onednn_bf16_supported() else "none"
+    return next(iter(fp32_kinds()), "none") if weight.dtype == torch.float32 else fallback
+
+
 def packing_kind(model: nn.Module, kind: str | None = None) -> str:
     """The packing `prepack_linears` gives `model`: "onednn", "mkl" or "none" (none suits it, or its packed copies,
     one for "onednn", two for "mkl", would take more than half the memory available). `kind`: one of `FP32_KINDS`
@@ -218,7 +246,7 @@ def packing_kind(model: nn.Module, kind: str | None = None) -> str:
     kind = _chosen(_packing(model), kind, next(model.parameters()).dtype)
     if kind == "none":
         return kind
-    copies = 1 if kind == "onednn" else len(MKL_PACK_ROWS)
+    copies = len(MKL_PACK_ROWS) if kind == "mkl" else 1
     linears = (nn.Linear, PackedLinear)
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) in linears)
     available = available_bytes()
@@ -237,5 +265,5 @@ def prepack_linears(model: nn.Module, kind: str | None = None, skip: frozenset[i
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) in linears and id(child) not in skip:
-                    setattr(parent, name, PackedLinear.from_linear(child, kind))
+                    setattr(parent, name, PackedLinear.from_linear(child, own_kind(child.weight, kind)))
     return Prepacked(time.perf_counter() - t0, kind)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from headstart.runtime.paths import cache_dir
 from headstart.runtime.profiles import EMBEDDED_MODEL as DEFAULT_MODEL
 
 if TYPE_CHECKING:  # torch and transformers load with the first model, not with this module
@@ -33,14 +34,6 @@ TEST_MODEL = "tiny"
 
 class ModelError(ValueError):
     """A model argument that cannot be resolved; the message says what to do."""
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $HEADSTART_CACHE, else $XDG_CACHE_HOME/headstart, else ~/.cache/headstart."""
-    if os.environ.get("HEADSTART_CACHE"):
-        return Path(os.environ["HEADSTART_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "headstart"
 
 
 def smollm2_gguf() -> Path:

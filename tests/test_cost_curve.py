@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from headstart.runtime import cost_curve as curves
-from headstart.runtime import kernels
+from headstart.runtime import kernels, native
 from headstart.runtime.cost_curve import LiveSizer, choose_budget, cost_at, cost_curve, fit_factor, scale_accuracy
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import stream
@@ -59,6 +59,10 @@ def test_the_curve_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_the_float32_kernels_are_chosen_by_their_measured_cost_and_the_choice_cached(tmp_path, monkeypatch):
+    if native.library() is not None:  # the native products are kept, never timed against the stock ones
+        assert curves.choose_kernels(Target(tiny_llama(vocab_size=64)), tmp_path) == "native"
+        assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("HEADSTART_NATIVE", "0")
     target = Target(tiny_llama(vocab_size=64))
     assert curves.choose_kernels(target, tmp_path) in curves.FP32_KINDS  # timed for real on the tiny target
     assert len(list(tmp_path.iterdir())) == 1
@@ -81,6 +85,7 @@ def test_the_float32_kernels_are_timed_in_turn_so_drift_hits_both(monkeypatch):
     """The machine slows down while the kinds are timed (a neighbour starts): timed one after the other, the
     second kind took the whole slowdown and lost though it is the cheaper one (oneDNN chosen on a 2-core Xeon
     where MKL is cheaper at every count up to 16 rows: 1.1x slower plain decoding, served)."""
+    monkeypatch.setenv("HEADSTART_NATIVE", "0")  # the stock kinds, timed
     target = Target(tiny_llama(vocab_size=64))
     order, clock = [], iter(range(100))
 
@@ -199,6 +204,8 @@ def test_the_measuring_commands_time_the_kernels_the_engine_chose(module, tmp_pa
     `choose_kernels` had chosen: on a 2-core AMD EPYC, where oneDNN's forward costs half of MKL's and the engine runs
     oneDNN, both printed MKL's costs."""
     import importlib
+
+    monkeypatch.setenv("HEADSTART_NATIVE", "0")  # the stock kinds, one chosen by cost
 
     from headstart.runtime import models
 

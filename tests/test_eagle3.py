@@ -168,7 +168,7 @@ def test_the_export_names_the_target_by_what_it_is_and_no_path_of_this_machine(t
     """The shipped head exported on the command line: the embedded model by its hub id, the fused layers written,
     and no file naming the machine's folders (its model cache, the output folder, the home folder)."""
     from headstart.heads.checkpoint import shipped_heads
-    from headstart.runtime.models import cache_dir
+    from headstart.runtime.paths import cache_dir
 
     monkeypatch.chdir(tmp_path)
     assert cli(["export", str(shipped_heads("smollm2-135m-instruct", "eagle3")), "out", "--format", fmt]) == 0

@@ -96,7 +96,13 @@ def test_mask_buffer_equals_a_fresh_mask_every_round():
         past += 1 + round_ % 3 + (500 if round_ == 6 else 0)  # a jump past the buffer's first width
 
 
-def test_packed_linears_equal_the_stock_ones():
+@pytest.fixture
+def stock_kinds(monkeypatch):
+    """The stock packings (MKL's, oneDNN's) as the defaults: the native ones (tests/test_native.py) off."""
+    monkeypatch.setenv("HEADSTART_NATIVE", "0")
+
+
+def test_packed_linears_equal_the_stock_ones(stock_kinds):
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=64, init_std=0.2)
     stock = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -144,13 +150,13 @@ def test_two_mkl_packs_compute_every_row_count(monkeypatch):
     assert [p is packed.packs[1] for p in read] == [False, False, True, True]
 
 
-def test_float32_packs_as_onednn_where_mkl_packs_do_not_serve_every_count(monkeypatch):
+def test_float32_packs_as_onednn_where_mkl_packs_do_not_serve_every_count(monkeypatch, stock_kinds):
     monkeypatch.setattr(kernels, "mkl_packs_serve_any_rows", lambda: False)
     model = tiny_llama(vocab_size=64, init_std=0.2)
     assert prepack_linears(model, "mkl").kind == ("onednn" if torch.backends.mkldnn.is_available() else "none")
 
 
-def test_bf16_packs_only_where_the_cpu_has_onednn_bf16_kernels(monkeypatch):
+def test_bf16_packs_only_where_the_cpu_has_onednn_bf16_kernels(monkeypatch, stock_kinds):
     """oneDNN's bf16 kernels need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU packing raised at load.
     There the stock kernels stay, and the target decodes."""
     model = tiny_llama(vocab_size=64, init_std=0.2).to(torch.bfloat16)
@@ -161,7 +167,7 @@ def test_bf16_packs_only_where_the_cpu_has_onednn_bf16_kernels(monkeypatch):
     assert len([t for c in stream(target, PROMPT, LookupDrafter(), max_new_tokens=8) for t in c.tokens]) == 8
 
 
-@pytest.mark.parametrize("kind", kernels.FP32_KINDS)
+@pytest.mark.parametrize("kind", [*kernels.FP32_KINDS, kernels.NATIVE])
 def test_fast_and_stock_targets_decode_alike(kind):
     """Greedy tokens and every round's logits of the fast path equal the stock path's (a tree drafter's rounds),
     with either float32 packing."""
@@ -180,7 +186,7 @@ def test_fast_and_stock_targets_decode_alike(kind):
     torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-4, rtol=0)
 
 
-def test_float32_linears_pack_again_as_onednn_and_heads_follow_the_target():
+def test_float32_linears_pack_again_as_onednn_and_heads_follow_the_target(stock_kinds):
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=64, init_std=0.2)
     weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -353,7 +359,7 @@ def test_float32_trees_of_a_batch_feed_their_own_rows_and_score_as_the_stock_tar
         torch.float64,
     ],
 )
-def test_the_fused_stack_computes_the_generic_forward(dtype):
+def test_the_fused_stack_computes_the_generic_forward(dtype, stock_kinds):
     """runtime/fused.py runs the model's own layers with q/k/v and gate/up fused: the same roundings in the same order
     as transformers' forward over the same modules. In bfloat16 (oneDNN's packed kernels, whose products give each
     output the same sums whatever the width) every output is bitwise equal; in float64 (the stock GEMM, which blocks a

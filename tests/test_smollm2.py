@@ -183,7 +183,7 @@ def test_batched_distillation_gives_the_generate_rows_in_float32(engine, tmp_pat
     result = compare_backends(engine.target.model, engine.tokenizer, prompts, tmp_path, max_new_tokens=64, batch_size=4)
     assert result["rows"] == 8 and result["same_rows"] == 8, result
     # what made the rows names the embedded model as users do, never this machine's model cache
-    from headstart.runtime.models import cache_dir
+    from headstart.runtime.paths import cache_dir
 
     manifest = (tmp_path / "batched" / "manifest.json").read_text()
     assert '"name": "smollm2-135m-instruct"' in manifest and str(cache_dir()) not in manifest

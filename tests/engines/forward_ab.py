@@ -1,15 +1,18 @@
-"""The target's forward, fused (runtime/fused.py) against transformers' own over the same kernels: ms by rows.
+"""The target's forward three ways, ms by rows: transformers' own and the fused stack's (runtime/fused.py) over the
+stock packed kernels, and the native forward (runtime/native.py).
 
     .venv/bin/python tests/engines/forward_ab.py [--dtype bfloat16] [--kernels onednn] [--rounds 3]
 
-The embedded model loaded twice (one Target each, both prepacked alike), 256 cached tokens, a chain of n - 1 draft
-nodes behind the root (n rows) verified and dropped again; the two paths alternate `--rounds` times, each timing
-15 forwards a round after 3 warm-up ones; the figure is the median round's median. Background jobs are paused.
+The embedded model loaded three times (one Target each; the first two prepacked alike), 256 cached tokens, a chain
+of n - 1 draft nodes behind the root (n rows) verified and dropped again; the three paths alternate `--rounds`
+times, each timing 15 forwards a round after 3 warm-up ones; the figure is the median round's median. Background
+jobs are paused.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -25,14 +28,15 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--kernels", default=None, help="float32's packing (mkl or onednn; default: the Target's own)")
+    p.add_argument("--kernels", default=None, help="float32's stock packing (mkl or onednn; default: the Target's own)")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     targets = {}
-    for path in ("generic", "fused"):
+    for path in ("generic", "fused", "native"):
+        os.environ["HEADSTART_NATIVE"] = "1" if path == "native" else "0"
         model, _ = load_model(dtype=args.dtype)
         target = Target(model)
-        if args.kernels:
+        if args.kernels and path != "native":
             target.use_kernels(args.kernels)
         if path == "generic":  # transformers' forward, every linear layer packed as the fused stack's are
             target.fused = None
@@ -54,11 +58,12 @@ def main() -> None:
                     for _ in range(3):
                         step(target, n)
                     ms.setdefault((path, n), []).append(1e3 * statistics.median(step(target, n) for _ in range(15)))
+    assert targets["native"].fused.native_layers() is not None, "the native forward did not build"
     print(f"{args.dtype} ({targets['fused'].packed.kind} kernels), ms per forward, 256 cached tokens")
-    print("| rows | generic | fused | generic / fused |\n| ---: | ---: | ---: | ---: |")
+    print("| rows | generic | fused | native | generic / native |\n| ---: | ---: | ---: | ---: | ---: |")
     for n in ROWS:
-        g, f = statistics.median(ms[("generic", n)]), statistics.median(ms[("fused", n)])
-        print(f"| {n} | {g:.1f} | {f:.1f} | {g / f:.2f} |")
+        g, f, c = (statistics.median(ms[(path, n)]) for path in ("generic", "fused", "native"))
+        print(f"| {n} | {g:.1f} | {f:.1f} | {c:.1f} | {g / c:.2f} |")
 
 
 if __name__ == "__main__":

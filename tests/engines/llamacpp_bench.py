@@ -184,7 +184,8 @@ def main() -> int:
     from headstart.heads.export import export_heads
     from headstart.runtime import background
     from headstart.runtime.apps.bench_report import replace_section
-    from headstart.runtime.models import DEFAULT_MODEL, cache_dir, resolve_model_dir
+    from headstart.runtime.models import DEFAULT_MODEL, resolve_model_dir
+    from headstart.runtime.paths import cache_dir
     from headstart.runtime.prompts import load_prompts
     from headstart.runtime.tokens import prompt_ids
 

@@ -126,7 +126,7 @@ def vllm_side(
 
 def engine_args(description: str, max_tokens: int, out_name: str) -> argparse.ArgumentParser:
     """The arguments the engine scripts share; outputs go outside the work tree (the cache's runs/)."""
-    from headstart.runtime.models import cache_dir
+    from headstart.runtime.paths import cache_dir
 
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--heads", default=None, help="EAGLE-3 heads (default: shipped for the embedded model)")

@@ -34,7 +34,7 @@ from headstart.runtime.drafters.budgeted import Budgeted
 from headstart.runtime.drafters.gate import AcceptanceGate, GatedDrafter
 from headstart.runtime.engine import Engine, RequestText
 from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
-from headstart.runtime.models import cache_dir
+from headstart.runtime.paths import cache_dir
 from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.sampling import SamplingParams
 

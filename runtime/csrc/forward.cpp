@@ -1,0 +1,438 @@
+// headstart's native forward: a Llama-style decoder stack in one call, its products at the memory wall, every row
+// computed in the same order whatever the number of rows (row-count invariance). Built at first use by
+// runtime/native.py (g++ -O3 -march=native -fopenmp; cached per machine), called through ctypes.
+//
+// Two element types: float32 (dtype 0) and bfloat16 (dtype 1, stored as uint16). Every reduction runs in float32
+// over fixed lanes in a fixed order; a value is rounded to the element type where transformers' Llama rounds it
+// (after each product, norm, residual add, activation), so the results stay close to transformers' (not bitwise:
+// the summation orders differ) and equal to themselves at any row count.
+//
+// Weights are repacked once (hs_pack): rows in blocks of NB, each block's columns in chunks of KC elements
+// interleaved row by row, so a product streams its weight front to back.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+namespace {
+
+const int NB = 4;  // weight rows a block
+const int MB = 4;  // input rows a pass over a block (each row still in the one-row order)
+const int PREFETCH = 1024;  // bytes ahead of the packed weight stream
+
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+template <typename T> inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+template <> inline bf16 from_f<bf16>(float f) {  // round to nearest even, as torch
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 64);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+template <typename T> inline int kc() { return sizeof(T) == 2 ? 32 : 16; }  // columns a chunk (64 bytes)
+
+// ---- products: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), rounded to T ---------------------------------------
+template <typename T, int R>
+inline void block_generic(const T* x, int ldx, const T* w, int K, float acc[R][NB]) {
+    const int C = kc<T>();
+    float lane[R][NB][16] = {};
+    for (int k = 0; k < K; k += C, w += NB * C) {
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < NB; j++)
+                for (int l = 0; l < C; l++) lane[i][j][l % 16] += to_f(x[(size_t)i * ldx + k + l]) * to_f(w[j * C + l]);
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < NB; j++) {
+            float s = 0;
+            for (int l = 0; l < 16; l++) s += lane[i][j][l];
+            acc[i][j] = s;
+        }
+}
+
+template <typename T, int R>
+inline void block(const T* x, int ldx, const T* w, int K, float acc[R][NB]) {
+    block_generic<T, R>(x, ldx, w, K, acc);
+}
+
+#if defined(__AVX512F__)
+// The sums of 16 vectors' lanes at once, out[i][j] = the sum of acc[i][j]'s lanes, each in the order
+// _mm512_reduce_add_ps adds one vector's (lane l with l + 8, then p with p + 4, p + 2, p + 1): a block of MB rows
+// gives every row what a one-row block gives it, for a quarter of the shuffles.
+inline void reduce16(const __m512 acc[MB][NB], float out[MB][NB]) {
+    static_assert(MB == 4 && NB == 4, "reduce16 sums 4 x 4 accumulators");
+    const __m512* v = &acc[0][0];
+    __m512 r[8], s[4], t[2];
+    for (int i = 0; i < 8; i++)  // each lane l of v with lane l + 8: v[2i] in lanes 0-7, v[2i+1] in 8-15
+        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  // p with p + 4: quarter q holds v[4i + q]'s four
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  // p with p + 2
+        t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+    // p with p + 1: element 4k + c holds v[4c + k]
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+    float sums[16];
+    _mm512_storeu_ps(sums, u);
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) out[i][j] = sums[4 * j + i];
+}
+
+template <int R>
+inline void reduce(const __m512 acc[R][NB], float out[R][NB]) {
+    if constexpr (R == MB) {
+        reduce16(acc, out);
+    } else {
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < NB; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+template <int R>
+inline void block_bf16(const bf16* x, int ldx, const bf16* w, int K, float out[R][NB]) {
+    __m512 acc[R][NB];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32, w += NB * 32) {
+        __m512bh wv[NB];
+        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
+        _mm_prefetch((const char*)w + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char*)w + PREFETCH + 128, _MM_HINT_T0);
+        for (int i = 0; i < R; i++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)i * ldx + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    reduce<R>(acc, out);
+}
+template <> inline void block<bf16, 1>(const bf16* x, int ldx, const bf16* w, int K, float acc[1][NB]) {
+    block_bf16<1>(x, ldx, w, K, acc);
+}
+template <> inline void block<bf16, MB>(const bf16* x, int ldx, const bf16* w, int K, float acc[MB][NB]) {
+    block_bf16<MB>(x, ldx, w, K, acc);
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int R>
+inline void block_f32(const float* x, int ldx, const float* w, int K, float out[R][NB]) {
+    __m512 acc[R][NB];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16, w += NB * 16) {
+        __m512 wv[NB];
+        for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_ps(w + j * 16);
+        _mm_prefetch((const char*)w + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char*)w + PREFETCH + 128, _MM_HINT_T0);
+        for (int i = 0; i < R; i++) {
+            __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    reduce<R>(acc, out);
+}
+template <> inline void block<float, 1>(const float* x, int ldx, const float* w, int K, float acc[1][NB]) {
+    block_f32<1>(x, ldx, w, K, acc);
+}
+template <> inline void block<float, MB>(const float* x, int ldx, const float* w, int K, float acc[MB][NB]) {
+    block_f32<MB>(x, ldx, w, K, acc);
+}
+#endif
+
+// Inside a parallel region: the weight's blocks split among the threads (each a contiguous run).
+template <typename T>
+void gemm(const T* x, int M, int K, const T* P, const T* bias, T* y, int N) {
+#pragma omp for schedule(static)
+    for (int b = 0; b < N / NB; b++) {
+        const T* w = P + (size_t)b * NB * K;
+        int m = 0;
+        for (; m + MB <= M; m += MB) {
+            float acc[MB][NB];
+            block<T, MB>(x + (size_t)m * K, K, w, K, acc);
+            for (int i = 0; i < MB; i++)
+                for (int j = 0; j < NB; j++)
+                    y[(size_t)(m + i) * N + b * NB + j] = from_f<T>(acc[i][j] + (bias ? to_f(bias[b * NB + j]) : 0.f));
+        }
+        for (; m < M; m++) {
+            float acc[1][NB];
+            block<T, 1>(x + (size_t)m * K, K, w, K, acc);
+            for (int j = 0; j < NB; j++)
+                y[(size_t)m * N + b * NB + j] = from_f<T>(acc[0][j] + (bias ? to_f(bias[b * NB + j]) : 0.f));
+        }
+    }
+}
+
+// ---- the layers' pointwise steps ------------------------------------------------------------------------------
+template <typename T>
+inline float mean_square(const T* x, int n) {
+    float lane[16] = {};
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) lane[l] += to_f(x[k + l]) * to_f(x[k + l]);
+    for (; k < n; k++) lane[k % 16] += to_f(x[k]) * to_f(x[k]);
+    float s = 0;
+    for (int l = 0; l < 16; l++) s += lane[l];
+    return s / n;
+}
+
+// transformers' RMSNorm: normalised in float32, rounded, then scaled by the weight (and rounded)
+template <typename T>
+inline void rms_norm(const T* x, const T* weight, float eps, int n, T* out) {
+    float inv = 1.0f / std::sqrt(mean_square(x, n) + eps);
+    for (int k = 0; k < n; k++) out[k] = from_f<T>(to_f(weight[k]) * to_f(from_f<T>(to_f(x[k]) * inv)));
+}
+
+// e^x for softmax and SiLU, in plain arithmetic the compiler vectorises (libm's expf stays scalar): 2^n e^r with
+// |r| <= ln2 / 2 and a degree-6 polynomial (relative error ~2e-7); exactly 0 below -87 (a masked key: no weight).
+inline float exp_f(float x) {
+    const float t = (x < 88.0f ? x : 88.0f) * 1.44269504f;
+    const float n = std::floor(t + 0.5f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+inline float silu(float v) { return v / (1.0f + exp_f(-v)); }
+
+// q . k over D (a multiple of 16) in float32: 16 lanes, then halves added pairwise (a fixed order)
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+template <typename T>
+inline float dot(const float* q, const T* k, int D) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+    for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+// acc[0..D) += p v[0..D)
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int D) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+}
+#else
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int D) {
+    for (int d = 0; d < D; d++) acc[d] += p * to_f(v[d]);
+}
+template <typename T>
+inline float dot(const float* q, const T* k, int D) {
+    float lane[16] = {};
+    for (int d = 0; d < D; d += 16)
+        for (int l = 0; l < 16; l++) lane[l] += q[d + l] * to_f(k[d + l]);
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return lane[0];
+}
+#endif
+
+struct Layer {
+    const void *in_norm, *post_norm, *q_norm, *k_norm;  // (hidden,), (hidden,), (D,) or null, (D,) or null
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;  // packed products, biases or null
+    void *k_cache, *v_cache;  // (slots, G, capacity, D)
+    void* hidden_out;  // (N, hidden): this layer's output, or null
+};
+
+struct Forward {
+    int32_t dtype, N, hidden, heads, kv_heads, head_dim, intermediate, layers, capacity, threads;
+    float eps, scale;
+    void* h;  // (N, hidden): the embeddings in, the last layer's output out
+    const void *cos, *sin;  // (N, D): each row's rotary, sin's first half negated
+    const int64_t *slot, *row, *keys, *mask;  // (N,): the cache slot, the row it writes, keys it reads, mask row address
+    const void* final_norm;
+    void* out;  // (N, hidden): the final norm's output
+    const Layer* layer;
+    void* work;  // workspace: hs_workspace_bytes
+};
+
+template <typename T>
+void run(const Forward& f) {
+    const int N = f.N, E = f.hidden, H = f.heads, G = f.kv_heads, D = f.head_dim, I = f.intermediate;
+    const int QKV = (H + 2 * G) * D;
+    T* h = (T*)f.h;
+    T* xn = (T*)f.work;  // (N, E)
+    T* qkv = xn + (size_t)N * E;  // (N, QKV)
+    T* q = qkv + (size_t)N * QKV;  // (N, H, D)
+    T* att = q + (size_t)N * H * D;  // (N, H * D)
+    T* tmp = att + (size_t)N * H * D;  // (N, E)
+    T* gu = tmp + (size_t)N * E;  // (N, 2I)
+    T* act = gu + (size_t)N * 2 * I;  // (N, I)
+    const T* cos = (const T*)f.cos;
+    const T* sin = (const T*)f.sin;
+#pragma omp parallel num_threads(f.threads)
+    {
+        float* scores = nullptr;
+        int scores_n = 0;
+        for (int li = 0; li < f.layers; li++) {
+            const Layer& L = f.layer[li];
+            T* kc = (T*)L.k_cache;
+            T* vc = (T*)L.v_cache;
+#pragma omp for schedule(static)
+            for (int r = 0; r < N; r++) rms_norm(h + (size_t)r * E, (const T*)L.in_norm, f.eps, E, xn + (size_t)r * E);
+            gemm<T>(xn, N, E, (const T*)L.qkv, (const T*)L.qkv_bias, qkv, QKV);
+            // q/k norms (Qwen3), rotary on q and k, q to its buffer, k and v into the cache at the row's slot and row
+#pragma omp for schedule(static)
+            for (int t = 0; t < N * (H + G); t++) {
+                const int r = t / (H + G), hd = t % (H + G);
+                const T* src = qkv + (size_t)r * QKV + (size_t)hd * D;
+                const T* norm = hd < H ? (const T*)L.q_norm : (const T*)L.k_norm;
+                T normed[512];
+                if (norm) {
+                    rms_norm(src, norm, f.eps, D, normed);
+                    src = normed;
+                }
+                T* dst = hd < H ? q + ((size_t)r * H + hd) * D
+                                : kc + (((size_t)f.slot[r] * G + (hd - H)) * f.capacity + f.row[r]) * D;
+                const T* c = cos + (size_t)r * D;
+                const T* s = sin + (size_t)r * D;
+                for (int d = 0; d < D; d++) {  // x cos + rotate_half(x) sin, each product and the sum rounded
+                    const float a = to_f(from_f<T>(to_f(src[d]) * to_f(c[d])));
+                    const float b = to_f(from_f<T>(to_f(src[(d + D / 2) % D]) * to_f(s[d])));
+                    dst[d] = from_f<T>(a + b);
+                }
+                if (hd >= H) {
+                    const T* v = qkv + (size_t)r * QKV + (size_t)(H + G + hd - H) * D;
+                    std::memcpy(vc + (((size_t)f.slot[r] * G + (hd - H)) * f.capacity + f.row[r]) * D, v, D * sizeof(T));
+                }
+            }
+            // attention: each (row, head) over its slot's first keys[r] rows, plus its mask row where it has one
+#pragma omp for schedule(static)
+            for (int t = 0; t < N * H; t++) {
+                const int r = t / H, hh = t % H, g = hh / (H / G);
+                const int n = (int)f.keys[r];
+                if (n > scores_n) {
+                    delete[] scores;
+                    scores_n = n + 256;
+                    scores = new float[scores_n];
+                }
+                const T* qv = q + ((size_t)r * H + hh) * D;
+                const T* K = kc + ((size_t)f.slot[r] * G + g) * f.capacity * D;
+                const T* V = vc + ((size_t)f.slot[r] * G + g) * f.capacity * D;
+                const T* mask = (const T*)(intptr_t)f.mask[r];
+                float qf[512];
+                for (int d = 0; d < D; d++) qf[d] = to_f(qv[d]);
+                float top = -INFINITY;
+                for (int j = 0; j < n; j++) {
+                    const float sc = dot(qf, K + (size_t)j * D, D) * f.scale + (mask ? to_f(mask[j]) : 0.f);
+                    scores[j] = sc;
+                    top = sc > top ? sc : top;
+                }
+                for (int j = 0; j < n; j++) scores[j] = exp_f(scores[j] - top);
+                float acc[512];
+                for (int d = 0; d < D; d++) acc[d] = 0.f;
+                float total = 0;
+                for (int j = 0; j < n; j++) {
+                    const float p = scores[j];
+                    if (p == 0.f) continue;  // a masked key (exactly zero weight): skipping it changes no sum
+                    total += p;
+                    axpy(acc, p, V + (size_t)j * D, D);
+                }
+                T* o = att + (size_t)r * H * D + (size_t)hh * D;
+                for (int d = 0; d < D; d++) o[d] = from_f<T>(acc[d] / total);
+            }
+            gemm<T>(att, N, H * D, (const T*)L.o, (const T*)L.o_bias, tmp, E);
+#pragma omp for schedule(static)
+            for (int r = 0; r < N; r++) {
+                T* hr = h + (size_t)r * E;
+                for (int k = 0; k < E; k++) hr[k] = from_f<T>(to_f(hr[k]) + to_f(tmp[(size_t)r * E + k]));
+                rms_norm(hr, (const T*)L.post_norm, f.eps, E, xn + (size_t)r * E);
+            }
+            gemm<T>(xn, N, E, (const T*)L.gate_up, nullptr, gu, 2 * I);
+#pragma omp for schedule(static)
+            for (int r = 0; r < N; r++)
+                for (int k = 0; k < I; k++) {  // silu(gate) rounded, times up, rounded
+                    const float g = to_f(from_f<T>(silu(to_f(gu[(size_t)r * 2 * I + k]))));
+                    act[(size_t)r * I + k] = from_f<T>(g * to_f(gu[(size_t)r * 2 * I + I + k]));
+                }
+            gemm<T>(act, N, I, (const T*)L.down, nullptr, tmp, E);
+#pragma omp for schedule(static)
+            for (int r = 0; r < N; r++) {
+                T* hr = h + (size_t)r * E;
+                for (int k = 0; k < E; k++) hr[k] = from_f<T>(to_f(hr[k]) + to_f(tmp[(size_t)r * E + k]));
+                if (L.hidden_out) std::memcpy((T*)L.hidden_out + (size_t)r * E, hr, E * sizeof(T));
+            }
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < N; r++)
+            rms_norm(h + (size_t)r * E, (const T*)f.final_norm, f.eps, E, (T*)f.out + (size_t)r * E);
+        delete[] scores;
+    }
+}
+
+template <typename T>
+void pack(const T* W, T* P, int N, int K) {
+    const int C = kc<T>();
+    for (int b = 0; b < N / NB; b++)
+        for (int c = 0; c < K / C; c++)
+            for (int j = 0; j < NB; j++)
+                std::memcpy(P + (((size_t)b * (K / C) + c) * NB + j) * C, W + ((size_t)b * NB + j) * K + (size_t)c * C,
+                            C * sizeof(T));
+}
+
+}  // namespace
+
+extern "C" {
+
+// What a weight must be to pack: rows a multiple of this, columns a multiple of hs_chunk(dtype).
+int hs_rows_multiple() { return NB; }
+int hs_chunk(int dtype) { return dtype == 1 ? kc<bf16>() : kc<float>(); }
+// 1 where the products run this CPU's AVX-512 (BF16 for bfloat16) kernels, 0 where they run the portable loops.
+int hs_vectorized(int dtype) {
+#if defined(__AVX512BF16__)
+    if (dtype == 1) return 1;
+#endif
+#if defined(__AVX512F__)
+    if (dtype == 0) return 1;
+#endif
+    return 0;
+}
+size_t hs_sizeof_forward() { return sizeof(Forward); }
+size_t hs_sizeof_layer() { return sizeof(Layer); }
+
+void hs_pack(int dtype, const void* W, void* P, int N, int K) {
+    if (dtype == 1) pack<bf16>((const bf16*)W, (bf16*)P, N, K);
+    else pack<float>((const float*)W, (float*)P, N, K);
+}
+
+// y (M, N) = x (M, K) . W^T + bias, W packed by hs_pack.
+void hs_linear(int dtype, const void* x, int M, int K, const void* P, const void* bias, void* y, int N, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        if (dtype == 1) gemm<bf16>((const bf16*)x, M, K, (const bf16*)P, (const bf16*)bias, (bf16*)y, N);
+        else gemm<float>((const float*)x, M, K, (const float*)P, (const float*)bias, (float*)y, N);
+    }
+}
+
+size_t hs_workspace_bytes(int dtype, int N, int hidden, int heads, int kv_heads, int head_dim, int intermediate) {
+    const size_t elems = (size_t)N * (2 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim +
+                                      3 * intermediate);
+    return elems * (dtype == 1 ? 2 : 4);
+}
+
+void hs_forward(const Forward* f) {
+    if (f->dtype == 1) run<bf16>(*f);
+    else run<float>(*f);
+}
+
+}  // extern "C"
