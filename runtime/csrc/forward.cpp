@@ -191,13 +191,6 @@ inline float mean_square(const T* x, int n) {
     return s / n;
 }
 
-// transformers' RMSNorm: normalised in float32, rounded, then scaled by the weight (and rounded)
-template <typename T>
-inline void rms_norm(const T* x, const T* weight, float eps, int n, T* out) {
-    float inv = 1.0f / std::sqrt(mean_square(x, n) + eps);
-    for (int k = 0; k < n; k++) out[k] = from_f<T>(to_f(weight[k]) * to_f(from_f<T>(to_f(x[k]) * inv)));
-}
-
 // e^x for softmax and SiLU, in plain arithmetic the compiler vectorises (libm's expf stays scalar): 2^n e^r with
 // |r| <= ln2 / 2 and a degree-6 polynomial (relative error ~2e-7); exactly 0 below -87 (a masked key: no weight).
 inline float exp_f(float x) {
@@ -246,6 +239,134 @@ inline float dot(const float* q, const T* k, int D) {
     return lane[0];
 }
 #endif
+
+// ---- rows of pointwise steps: 16 elements at a time where AVX-512 runs, each exactly as the scalar tail computes it
+// (the same operations in the same order: -ffp-contract=off keeps the scalar ones unfused), so an element's value
+// does not depend on which of the two computed it
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {  // exp_f, 16 at a time
+    const __m512 t = _mm512_mul_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-06f)));
+    __m512 p = _mm512_set1_ps(0.00138888892f);
+    const float c[] = {0.00833333377f, 0.0416666679f, 0.166666672f, 0.5f, 1.0f, 1.0f};
+    for (float k : c) p = _mm512_add_ps(_mm512_set1_ps(k), _mm512_mul_ps(r, p));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+}
+inline __m512 round16(float*, __m512 v) { return v; }
+inline __m512 round16(bf16*, __m512 v) {  // to bfloat16 and back (from_f's rounding, NaN kept)
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
+                                 _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(64 << 16)),
+                                                       _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_castsi512_ps(r);
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {  // v already rounded (round16)
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#endif
+
+// out = silu(gate) rounded, times up, rounded (transformers' act_fn(gate) * up in the model's dtype)
+template <typename T>
+inline void silu_mul(const T* gate, const T* up, T* out, int n) {
+    int k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= n; k += 16) {
+        const __m512 g = load16(gate + k);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 s = round16(out, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store16(out + k, round16(out, _mm512_mul_ps(s, load16(up + k))));
+    }
+#endif
+    for (; k < n; k++) out[k] = from_f<T>(to_f(from_f<T>(silu(to_f(gate[k])))) * to_f(up[k]));
+}
+
+// h = h + d, rounded (a residual add)
+template <typename T>
+inline void add_into(T* h, const T* d, int n) {
+    int k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= n; k += 16) store16(h + k, round16(h, _mm512_add_ps(load16(h + k), load16(d + k))));
+#endif
+    for (; k < n; k++) h[k] = from_f<T>(to_f(h[k]) + to_f(d[k]));
+}
+
+// transformers' RMSNorm: normalised in float32, rounded, then scaled by the weight (and rounded)
+template <typename T>
+inline void rms_norm(const T* x, const T* weight, float eps, int n, T* out) {
+    const float inv = 1.0f / std::sqrt(mean_square(x, n) + eps);
+    int k = 0;
+#if defined(__AVX512F__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; k + 16 <= n; k += 16) {
+        const __m512 normed = round16(out, _mm512_mul_ps(load16(x + k), iv));
+        store16(out + k, round16(out, _mm512_mul_ps(load16(weight + k), normed)));
+    }
+#endif
+    for (; k < n; k++) out[k] = from_f<T>(to_f(weight[k]) * to_f(from_f<T>(to_f(x[k]) * inv)));
+}
+
+// out[j] = q . K[j] for the n keys of K (n x D): 16 keys at a time summed by reduce16, which adds each key's lanes
+// in the order `dot` adds them, so a score does not depend on how many keys a row reads
+template <typename T>
+inline void dots(const float* q, const T* K, int n, int D, float* out) {
+    int j = 0;
+#if defined(__AVX512F__)
+    for (; j + MB * NB <= n; j += MB * NB) {
+        __m512 acc[MB][NB];
+        for (int k = 0; k < MB * NB; k++) {
+            const T* key = K + (size_t)(j + k) * D;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), load16(key));
+            for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(key + d), a);
+            acc[k / NB][k % NB] = a;
+        }
+        float sums[MB][NB];
+        reduce16(acc, sums);
+        for (int k = 0; k < MB * NB; k++) out[j + k] = sums[k / NB][k % NB];
+    }
+#endif
+    for (; j < n; j++) out[j] = dot(q, K + (size_t)j * D, D);
+}
+
+// acc[0..D) = sum_j p[j] V[j] over the keys of nonzero weight (in key order), and the sum of the weights
+template <typename T>
+inline float weighted_sum(const float* p, const T* V, int n, int D, float* acc) {
+    float total = 0;
+    for (int d = 0; d < D; d++) acc[d] = 0.f;
+#if defined(__AVX512F__)
+    if (D == 64) {  // the common head size: the sums kept in registers
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < n; j++) {
+            if (p[j] == 0.f) continue;  // a masked key (exactly zero weight): skipping it changes no sum
+            total += p[j];
+            const __m512 pv = _mm512_set1_ps(p[j]);
+            const T* v = V + (size_t)j * D;
+            a0 = _mm512_fmadd_ps(pv, load16(v), a0);
+            a1 = _mm512_fmadd_ps(pv, load16(v + 16), a1);
+            a2 = _mm512_fmadd_ps(pv, load16(v + 32), a2);
+            a3 = _mm512_fmadd_ps(pv, load16(v + 48), a3);
+        }
+        _mm512_storeu_ps(acc, a0);
+        _mm512_storeu_ps(acc + 16, a1);
+        _mm512_storeu_ps(acc + 32, a2);
+        _mm512_storeu_ps(acc + 48, a3);
+        return total;
+    }
+#endif
+    for (int j = 0; j < n; j++) {
+        if (p[j] == 0.f) continue;
+        total += p[j];
+        axpy(acc, p[j], V + (size_t)j * D, D);
+    }
+    return total;
+}
 
 struct Layer {
     const void *in_norm, *post_norm, *q_norm, *k_norm;  // (hidden,), (hidden,), (D,) or null, (D,) or null
@@ -332,22 +453,16 @@ void run(const Forward& f) {
                 const T* mask = (const T*)(intptr_t)f.mask[r];
                 float qf[512];
                 for (int d = 0; d < D; d++) qf[d] = to_f(qv[d]);
+                dots(qf, K, n, D, scores);
                 float top = -INFINITY;
                 for (int j = 0; j < n; j++) {
-                    const float sc = dot(qf, K + (size_t)j * D, D) * f.scale + (mask ? to_f(mask[j]) : 0.f);
+                    const float sc = scores[j] * f.scale + (mask ? to_f(mask[j]) : 0.f);
                     scores[j] = sc;
                     top = sc > top ? sc : top;
                 }
                 for (int j = 0; j < n; j++) scores[j] = exp_f(scores[j] - top);
                 float acc[512];
-                for (int d = 0; d < D; d++) acc[d] = 0.f;
-                float total = 0;
-                for (int j = 0; j < n; j++) {
-                    const float p = scores[j];
-                    if (p == 0.f) continue;  // a masked key (exactly zero weight): skipping it changes no sum
-                    total += p;
-                    axpy(acc, p, V + (size_t)j * D, D);
-                }
+                const float total = weighted_sum(scores, V, n, D, acc);
                 T* o = att + (size_t)r * H * D + (size_t)hh * D;
                 for (int d = 0; d < D; d++) o[d] = from_f<T>(acc[d] / total);
             }
@@ -355,21 +470,18 @@ void run(const Forward& f) {
 #pragma omp for schedule(static)
             for (int r = 0; r < N; r++) {
                 T* hr = h + (size_t)r * E;
-                for (int k = 0; k < E; k++) hr[k] = from_f<T>(to_f(hr[k]) + to_f(tmp[(size_t)r * E + k]));
+                add_into(hr, tmp + (size_t)r * E, E);
                 rms_norm(hr, (const T*)L.post_norm, f.eps, E, xn + (size_t)r * E);
             }
             gemm<T>(xn, N, E, (const T*)L.gate_up, nullptr, gu, 2 * I);
 #pragma omp for schedule(static)
             for (int r = 0; r < N; r++)
-                for (int k = 0; k < I; k++) {  // silu(gate) rounded, times up, rounded
-                    const float g = to_f(from_f<T>(silu(to_f(gu[(size_t)r * 2 * I + k]))));
-                    act[(size_t)r * I + k] = from_f<T>(g * to_f(gu[(size_t)r * 2 * I + I + k]));
-                }
+                silu_mul(gu + (size_t)r * 2 * I, gu + (size_t)r * 2 * I + I, act + (size_t)r * I, I);
             gemm<T>(act, N, I, (const T*)L.down, nullptr, tmp, E);
 #pragma omp for schedule(static)
             for (int r = 0; r < N; r++) {
                 T* hr = h + (size_t)r * E;
-                for (int k = 0; k < E; k++) hr[k] = from_f<T>(to_f(hr[k]) + to_f(tmp[(size_t)r * E + k]));
+                add_into(hr, tmp + (size_t)r * E, E);
                 if (L.hidden_out) std::memcpy((T*)L.hidden_out + (size_t)r * E, hr, E * sizeof(T));
             }
         }
