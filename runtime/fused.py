@@ -30,7 +30,7 @@ from torch import nn
 from headstart.heads.masks import additive_mask, causal_after
 from headstart.runtime import native
 from headstart.runtime.attention import AttentionLayout, Packing, grouped_sdpa
-from headstart.runtime.kernels import PackedLinear, live_lora, own_kind
+from headstart.runtime.kernels import PackedLinear, live_lora, own_kind, packings
 
 FUSED_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type the fused stack runs
 
@@ -132,7 +132,7 @@ class FusedStack:
         self.rotary = inner.rotary_emb
         self.norm = inner.norm
         self.layers = [FusedLayer(layer, model.config, kind) for layer in inner.layers]
-        self._native: native.Layers | bool | None = None  # native_layers(): None unbuilt, False refused
+        self._native: tuple[int, native.Layers | None] | None = None  # native_layers() at kernels.packings()
         self.fused_modules = frozenset(
             id(m)
             for layer in inner.layers
@@ -153,10 +153,12 @@ class FusedStack:
     def native_layers(self) -> native.Layers | None:
         """The layers' weights as the native forward reads them (runtime/native.py), or None where any product of
         theirs is not packed for it (the stack then runs in Python); built at first use, after the caller packed
-        the modules the stack reads from the model (o_proj, down_proj), and again when they were packed anew."""
-        if self._native is None or (self._native and not self._native.current(self.layers)):
-            self._native = native.layers(self.layers) or False
-        return self._native or None
+        the modules the stack reads from the model (o_proj, down_proj), and again whenever `prepack_linears` has
+        swapped modules since (`kernels.packings`)."""
+        packing = packings()
+        if self._native is None or self._native[0] != packing:
+            self._native = (packing, native.layers(self.layers))
+        return self._native[1]
 
     @staticmethod
     def refusal(model: nn.Module) -> str | None:

@@ -253,6 +253,14 @@ def packing_kind(model: nn.Module, kind: str | None = None) -> str:
     return "none" if available is not None and copies * linear_bytes > available // 2 else kind
 
 
+_packings = 0  # prepack_linears calls so far: the native forward's table holds the modules of one (packings())
+
+
+def packings() -> int:
+    """How many times `prepack_linears` has swapped modules (in any model) so far."""
+    return _packings
+
+
 def prepack_linears(model: nn.Module, kind: str | None = None, skip: frozenset[int] = frozenset()) -> Prepacked:
     """Swap every `nn.Linear` of `model` (a `PackedLinear` too: packed again) for a `PackedLinear` in place, as
     `packing_kind` says, but those whose `id` is in `skip` (the fused stack's: runtime/fused.py)."""
@@ -260,6 +268,8 @@ def prepack_linears(model: nn.Module, kind: str | None = None, skip: frozenset[i
     if kind == "none":
         return Prepacked()
     linears = (nn.Linear, PackedLinear)
+    global _packings
+    _packings += 1
     t0 = time.perf_counter()
     with torch.no_grad():
         for parent in list(model.modules()):

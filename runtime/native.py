@@ -169,15 +169,10 @@ def _packed(module) -> torch.Tensor | None:
 class Layers:
     """The fused stack's layers as the native forward reads them: the table of pointers and the tensors it points
     into (held here, so none is freed while the table lives: a second Target over the same model packs its modules
-    again and drops the first one's)."""
+    again and drops the first one's; the stack then builds its table again, `FusedStack.native_layers`)."""
 
-    def __init__(self, table: ctypes.Array, tensors: list[torch.Tensor], modules: list) -> None:
-        self.table, self.tensors, self.modules = table, tensors, modules
-
-    def current(self, fused_layers: list) -> bool:
-        """Whether the modules the table read from the model are still the layers' (a packing replaces them)."""
-        modules = (m for fl in fused_layers for m in (fl.attn.o_proj, fl.mlp.down_proj))
-        return all(a is b for a, b in zip(modules, self.modules, strict=True))
+    def __init__(self, table: ctypes.Array, tensors: list[torch.Tensor]) -> None:
+        self.table, self.tensors = table, tensors
 
 
 def layers(fused_layers: list) -> Layers | None:
@@ -205,7 +200,7 @@ def layers(fused_layers: list) -> Layers | None:
         entry.qkv_bias, entry.o_bias = (b.data_ptr() if b is not None else None for b in biases)
     if len(eps) != 1:  # one epsilon for every norm (the kernel's)
         return None
-    return Layers(table, tensors, [m for fl in fused_layers for m in (fl.attn.o_proj, fl.mlp.down_proj)])
+    return Layers(table, tensors)
 
 
 def _reserve(cache, like: torch.Tensor, n: int) -> list:

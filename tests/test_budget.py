@@ -89,11 +89,13 @@ def test_offers_that_fail_the_price_are_never_taken(seed, packed):
             ms = rng.choice([0.0, rng.uniform(0, 15)])
             own.append(Offer(k, gain, ms, heads=k, shared_ms=rng.choice([0.0, rng.uniform(0, ms)])))
         offers.append(own)
+    offers[0] += [Offer(1, 0.0, 0.0), Offer(2, 1e-3, 500.0)]  # worth nothing; worth little for long: both fail
     margin, overhead, tree_ms = rng.uniform(0, 0.2), rng.uniform(0, 10), rng.choice([0.0, rng.uniform(0, 5)])
     price = Price(plain_rate(b, longest, cost, margin, overhead), cost.least_node_ms(b), tree_ms)
     assert all(price.node_ms <= cost.node_ms(b, w) + 1e-12 for w in range(1, 200))
     whole = allocate(offers, longest, cost, margin, overhead, tree_ms)
     kept = [[o for o in own if price.passes(o)] for own in offers]
+    assert sum(map(len, kept)) <= sum(map(len, offers)) - 2  # the price filters (at least those two)
     assert allocate(kept, longest, cost, margin, overhead, tree_ms) == whole
 
 

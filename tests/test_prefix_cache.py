@@ -50,6 +50,16 @@ def test_blocks_are_found_only_after_their_whole_prefix_within_the_limit():
     }
 
 
+def test_a_block_is_keyed_by_its_parent_not_only_by_its_tokens():
+    """C's first block held (another prompt kept it) and its second block's tokens held after A's first: that second
+    block is A's keys and values after A's prefix, not C's, and must not be found. (Keyed by its tokens alone, or by
+    its tokens and position, it was: three blocks matched where one is C's.)"""
+    cache = PrefixCache(1 << 20)
+    cache.keep(A, positions, None)
+    cache.keep(C[: BLOCK + 5], positions, None)  # C's first block alone
+    assert cache.match(C, len(C)) == [cache.match(C[:BLOCK], BLOCK)[0]]
+
+
 def test_a_prompt_kept_again_copies_only_its_new_blocks():
     cache, copied = PrefixCache(1 << 20), []
 

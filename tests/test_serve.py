@@ -547,7 +547,7 @@ def test_the_suffix_pool_learns_from_the_servers_traffic_and_shows_on_metrics(ti
         assert live.metric("headstart_suffix_pool_lookups_total") >= live.metric("headstart_suffix_pool_hits_total") > 0
         assert live.metric("headstart_suffix_pool_lookup_seconds_total") > 0
         assert live.metric("headstart_suffix_pool_lookup_seconds_p95") > 0
-        assert live.metric("headstart_suffix_pool_hit_rate") == 1.0  # `suffix` grafts onto nothing: the prior
+        assert live.metric("headstart_suffix_pool_calibration") == 1.0  # `suffix` grafts onto nothing: the prior
     finally:
         live.close()
     live = LiveServer(tiny_engine(tiny_model_dir, "lookup"))

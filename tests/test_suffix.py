@@ -210,10 +210,10 @@ class _Counting(Drafter):
         self.rested += 1
 
 
-def test_a_confident_pool_drafts_alone_and_learns_its_hit_rate():
+def test_a_confident_pool_drafts_alone_and_learns_its_calibration():
     """Where the pool's continuations expect `alone_gain` accepted nodes or more, the graft's tree is the pool's
     (its nodes first) with the request's own lookup branches, and the inner drafter rests; the pool records what it
-    expected and how many of ITS nodes the target accepted, and that hit rate scales its next estimates."""
+    expected and how many of ITS nodes the target accepted, and that calibration scales its next estimates."""
     pool = SuffixPool(1000)
     for _ in range(3):
         pool.add([7, 8, 9, 1, 2, 3, 4])
@@ -225,8 +225,8 @@ def test_a_confident_pool_drafts_alone_and_learns_its_hit_rate():
     assert tree.tokens[:4] == [1, 2, 3, 4] and tree.parents[:4] == [-1, 0, 1, 2]  # 3/4 each: gain 3
     graft.observe(tree, [0, 1], None, 9)  # two of the pool's nodes accepted
     assert (pool.expected, pool.accepted) == (pytest.approx(3.0), 2)
-    assert pool.factor == pytest.approx((8 + 2) / (8 + 3))
-    assert pool.lookup(context, SuffixOptions()).probs[0] == pytest.approx(0.75 * pool.factor)
+    assert pool.calibration == pytest.approx((8 + 2) / (8 + 3))
+    assert pool.lookup(context, SuffixOptions()).probs[0] == pytest.approx(0.75 * pool.calibration)
     assert len(graft.propose([4, 4, 4, 6, 6])) == 1 and inner.drafted == 1  # no match: the inner tree alone
     graft.observe(DraftTree([0], [-1]), [0], None, 9)
     assert pool.accepted == 2  # a grafted round is not the pool's to record

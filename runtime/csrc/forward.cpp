@@ -8,7 +8,8 @@
 // the summation orders differ) and equal to themselves at any row count.
 //
 // Weights are repacked once (hs_pack): rows in blocks of NB, each block's columns in chunks of KC elements
-// interleaved row by row, so a product streams its weight front to back.
+// interleaved row by row, so a product streams its weight front to back (the hardware prefetcher follows it: a
+// software prefetch 0.5-4 KB ahead of it measured no faster, two lines of every four slower).
 
 #include <cmath>
 #include <cstdint>
@@ -24,7 +25,6 @@ namespace {
 
 const int NB = 4;  // weight rows a block
 const int MB = 4;  // input rows a pass over a block (each row still in the one-row order)
-const int PREFETCH = 1024;  // bytes ahead of the packed weight stream
 
 inline float to_f(float v) { return v; }
 inline float to_f(bf16 v) {
@@ -112,8 +112,6 @@ inline void block_bf16(const bf16* x, int ldx, const bf16* w, int K, float out[R
     for (int k = 0; k < K; k += 32, w += NB * 32) {
         __m512bh wv[NB];
         for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
-        _mm_prefetch((const char*)w + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char*)w + PREFETCH + 128, _MM_HINT_T0);
         for (int i = 0; i < R; i++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)i * ldx + k);
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
@@ -138,8 +136,6 @@ inline void block_f32(const float* x, int ldx, const float* w, int K, float out[
     for (int k = 0; k < K; k += 16, w += NB * 16) {
         __m512 wv[NB];
         for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_ps(w + j * 16);
-        _mm_prefetch((const char*)w + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char*)w + PREFETCH + 128, _MM_HINT_T0);
         for (int i = 0; i < R; i++) {
             __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);

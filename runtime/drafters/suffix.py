@@ -9,7 +9,7 @@ among equals) and counts what followed each, as far as the match is long (a matc
 max(branch_len, spec_factor * m) tokens, at most `max_spec`; SuffixDecoding's rule: the longer the context
 repeats, the further its continuation is trusted): a trie of continuations where a node's count is how many
 matches went through it. A node's estimated probability is its count over the matches + 1, times the pool's
-measured hit rate (`SuffixPool.factor`: of the trees drafted from the pool alone, nodes accepted over nodes
+calibration (`SuffixPool.calibration`: of the trees drafted from the pool alone, nodes accepted over nodes
 expected); the draft is the `pool_nodes` nodes of highest count whose probability reaches `min_prob` (a child
 never counts more than its parent, so they form a tree).
 
@@ -22,7 +22,7 @@ that finished before this round, so a tree never depends on this round's draws (
 proposal that does not). The pool is one tenant's: a request can learn from how fast it is answered what others
 asked (a timing side channel), so a server shared by parties who must not see each other's traffic runs
 `--no-suffix-pool` (docs/serving.md): `pool_tokens` 0, no pool, the request's own lookup alone. A server's /metrics
-shows the pool's size, hit rate and lookup cost (`SuffixPool.stats`).
+shows the pool's size, hits, calibration and lookup cost (`SuffixPool.stats`).
 """
 
 from __future__ import annotations
@@ -160,15 +160,15 @@ class SuffixPool:
                     follow.append(buf[q])
                 if follow:
                     scored.append((m, follow))
-            factor = self.factor
+            factor = self.calibration
         scored.sort(key=lambda s: -s[0])  # stable: the most recent first among equals
         kept = scored[: options.max_matches]
         return _top_nodes([f for _, f in kept], options, kept[0][0] if kept else 0, factor)
 
     @property
-    def factor(self) -> float:
-        """The pool's measured hit rate: nodes accepted over nodes expected, of the trees drafted from it alone
-        (`record`), starting from PRIOR nodes accepted as expected."""
+    def calibration(self) -> float:
+        """The factor on the pool's estimates (not a hit rate: `hits` / `lookups` is one): nodes accepted over nodes
+        expected, of the trees drafted from it alone (`record`), starting from PRIOR nodes accepted as expected."""
         return (PRIOR + self.accepted) / (PRIOR + self.expected)
 
     def record(self, expected: float, accepted: int) -> None:
@@ -191,7 +191,7 @@ class SuffixPool:
                 "hits": self.hits,
                 "lookup_seconds": self.lookup_s,
                 "lookup_seconds_p95": p95,
-                "hit_rate": self.factor,
+                "calibration": self.calibration,
             }
 
 
@@ -203,8 +203,8 @@ def _key(tokens, end: int) -> int:
 
 def _top_nodes(follows: list[list[int]], options: SuffixOptions, longest: int, factor: float) -> Continuations:
     """The nodes of the continuations' trie most matches went through (at most `pool_nodes`), each node's
-    probability estimated as matches through it / (matches + 1) (one match is no certainty) times the pool's hit
-    rate `factor` (at most 1), those under `min_prob` left out; as branches and probabilities."""
+    probability estimated as matches through it / (matches + 1) (one match is no certainty) times the pool's
+    calibration `factor` (at most 1), those under `min_prob` left out; as branches and probabilities."""
     if not follows:
         return Continuations([], [], 0, 0)
     counts: dict[tuple[int, ...], int] = {}

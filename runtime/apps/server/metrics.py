@@ -24,7 +24,7 @@ POOL_GAUGES = (
     ("requests", "finished requests held"),
     ("index_entries", "n-gram windows indexed"),
     ("lookup_seconds_p95", "p95 of the last 1024 lookups' seconds"),
-    ("hit_rate", "pool nodes accepted over those expected, of trees drafted from the pool alone"),
+    ("calibration", "factor on the pool's estimates: nodes accepted over those expected, of its trees drafted alone"),
 )
 POOL_COUNTERS = (
     ("lookups", "lookups"),
