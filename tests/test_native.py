@@ -125,6 +125,41 @@ def test_rows_do_not_depend_on_the_rows_beside_them(dtype):
         assert torch.equal(v.logits[i], plain[i][0]) and torch.equal(v.hidden[i], plain[i][1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_in_a_tree_of_2_to_64_rows_computes_its_one_row_step(dtype):
+    r"""Trees of 2-64 rows: a greedy chain (rows 1..c) with siblings hanging off it (rows after, masked from the
+    chain): every chain row's logits and features, and after the chain's commit every key and value written, are
+    bitwise the one-row steps'.
+
+        root - g1 - g2 - ... - gc        (the greedy tokens)
+          \-s   \-s   \-s              (siblings: token 5, each a child of a chain node in turn)"""
+    model = tiny_llama(init_std=0.2).to(dtype)
+    steps = Target(model)
+    steps.prefill(PROMPT)
+    root, plain = 7, []
+    for _ in range(64):
+        v = steps.verify(root, DraftTree(), layers=(-1,))
+        steps.commit([])
+        plain.append((v.logits[0], v.hidden[0]))
+        root = int(v.logits[0].argmax())
+    greedy = [int(logits.argmax()) for logits, _ in plain]
+    for rows in (2, 3, 8, 17, 33, 64):
+        c = max(1, (rows - 1) // 2)
+        siblings = rows - 1 - c
+        tokens = greedy[:c] + [5] * siblings
+        parents = [*range(-1, c - 1), *((i % c) - 1 for i in range(siblings))]
+        target = Target(model)
+        target.prefill(PROMPT)
+        v = target.verify(7, DraftTree(tokens, parents), layers=(-1,))
+        for i in range(c + 1):
+            assert torch.equal(v.logits[i], plain[i][0]) and torch.equal(v.hidden[i], plain[i][1]), (rows, i)
+        target.commit(list(range(c)))
+        n = target.lengths[0]
+        for ours, theirs in zip(target.cache.layers, steps.cache.layers, strict=True):
+            assert torch.equal(ours._k[0, :, :n], theirs._k[0, :, :n])
+            assert torch.equal(ours._v[0, :, :n], theirs._v[0, :, :n])
+
+
 def test_a_second_target_over_the_same_model_leaves_the_first_computing_right():
     """A second Target packs the model's o_proj and down_proj again (new modules); the first one's native table
     pointed into the old packs, freed with them: its next rows were garbage (the cache test of every drafter caught
