@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from headstart.runtime import native
 from headstart.runtime.kernels import FP32_KINDS, fp32_kinds
 from headstart.runtime.paths import cache_dir
 from headstart.runtime.target import Target
@@ -61,10 +62,12 @@ def cpu_name() -> str:
 
 def _key(target: Target, kind: str | None = None) -> str:
     """What the curve depends on: the model's config and weights' identity, device, dtype, kernels (`kind`
-    None: those packed now), torch, the version of our forward."""
+    None: those packed now; the native ones' build), torch, the version of our forward."""
     config = target.model.config.to_json_string(use_diff=False)
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu_name()
     kernels = f"{target.packed.kind if kind is None else kind}, grouped attention {target.grouped}"
+    if (target.packed.kind if kind is None else kind) == "native":  # its costs change with its source
+        kernels += f", native {native.build_id()}"
     parts = [config, str(target.dtype), device, kernels, torch.__version__, str(torch.get_num_threads())]
     parts.append(f"forward v{FORWARD_VERSION}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

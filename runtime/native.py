@@ -70,11 +70,15 @@ def _cpu_key() -> str:
     return flags + os.environ.get("CXX", "g++")
 
 
+def build_id() -> str:
+    """What the library is built from: the source, the flags, the CPU and the compiler (a digest)."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+
+
 def _build_dir() -> Path:
     from headstart.runtime.paths import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    return cache_dir() / "native" / digest
+    return cache_dir() / "native" / build_id()
 
 
 _why_not: list[str] = []
