@@ -195,23 +195,29 @@ class FusedStack:
         the cache, as the model's own), the slot `cache` fed beforehand; hidden states as `output_hidden_states`
         (True: all, a list: those indices); logits of the last `logits_to_keep` rows (0: all; a tensor: those)."""
         h = self.embed(ids)  # (B, q, H)
+        n = len(self.layers)
+        wanted = set(range(n + 1)) if hidden_wanted is True else set(hidden_wanted or ())
+        wanted = {k % (n + 1) for k in wanted}
+        cos, sin = self.rotary(h, positions)  # (B, q, D)
+        half = sin.shape[-1] // 2  # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         if self.native_layers() is not None:
-            n = len(self.layers)
-            wanted = set(range(n + 1)) if hidden_wanted is True else set(hidden_wanted or ())
-            hidden, out = native.forward(self, h, mask, positions, cache, {k % (n + 1) for k in wanted}, packing)
-            rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            return FusedOutput(self.model.get_output_embeddings()(out[:, rows]), hidden)
+            hidden, h = native.forward(self, h, mask, cos, sin, cache, wanted, packing)
+        else:
+            hidden, h = self._layers(h, mask, cos, sin, cache, wanted, packing)
+        rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        # the lm_head read from the model at each call: prepacking swaps it after the stack is built
+        return FusedOutput(self.model.get_output_embeddings()(h[:, rows]), hidden)
+
+    def _layers(self, h, mask, cos, sin, cache, wanted: set[int], packing) -> tuple[list, torch.Tensor]:
+        """The decoder layers and the final norm in Python (where the native forward does not run): the hidden
+        states `wanted` and the final norm's output."""
         q = h.shape[1]
         if mask is None and q > 1:  # a prefill chunk: causal over the slot's cached rows, as the model's own mask
             past = cache.starts[0]  # the fed slot's first new row (no sync: the cache's bookkeeping)
             mask = additive_mask(causal_after(past, q), h.dtype, h.device)
-        cos, sin = self.rotary(h, positions)  # (B, q, D)
-        half = sin.shape[-1] // 2  # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, q, 1, D): every head
         n = len(self.layers)
-        wanted = set(range(n + 1)) if hidden_wanted is True else set(hidden_wanted or ())
-        wanted = {k % (n + 1) for k in wanted}
         hidden: list[torch.Tensor | None] = [None] * (n + 1)
         if 0 in wanted:
             hidden[0] = h
@@ -222,6 +228,4 @@ class FusedStack:
         h = rms_norm(h, self.norm)
         if n in wanted:
             hidden[n] = h
-        rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        # the lm_head read from the model at each call: prepacking swaps it after the stack is built
-        return FusedOutput(self.model.get_output_embeddings()(h[:, rows]), hidden)
+        return hidden, h

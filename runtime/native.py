@@ -8,15 +8,15 @@ row's every reduction in one fixed order whatever the number of rows, so a verif
 and a prefill's rows equal what a one-row step computes for them (speculation and batching give the plain loop's
 very tokens, in bfloat16 as in float32).
 
-The library is compiled at first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`; $CXX
-overrides) into the cache folder (runtime/paths.cache_dir, `native/`), keyed by the source and the CPU: once per
-machine, ~5 s. Without a compiler, or where the build fails, `library()` is None and the fused stack (runtime/
-fused.py) runs as before (`native_refusal` says why). OpenMP is the one torch already loaded (libgomp), so its
-threads are torch's.
+The library is compiled at first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`, FLAGS; $CXX
+overrides) into the cache folder (runtime/paths.cache_dir, `native/`), keyed by the source, flags and CPU
+(`build_id`): once per machine, ~5 s. Without a compiler, or where the build fails, `library()` is None and the fused
+stack (runtime/fused.py) runs as before (`build_error()` says why); `HEADSTART_NATIVE=0` turns it off
+(runtime/kernels.native_enabled). OpenMP is the one torch already loaded (libgomp), so its threads are torch's.
 
-Which products: the same weights as the model's (packed copies: `NativeLinear`); the module weights stay what they
-are (peft, training, export, tied embeddings read them). The lm_head and any other linear layer packed as
-"native" (runtime/kernels.py) run the same products one call each.
+Which products: the same weights as the model's (packed copies: `kernels.PackedLinear` of kind "native"); the module
+weights stay what they are (peft, training, export, tied embeddings read them). The lm_head and any other linear
+layer packed so run the same products, one call each (`linear`).
 """
 
 from __future__ import annotations
@@ -249,18 +249,16 @@ def _rows(cache, mask, packing, B: int, q: int, device) -> tuple[torch.Tensor, .
     return which + cache.first, rows, keys, addr
 
 
-def forward(stack, h: torch.Tensor, mask, positions, cache, wanted: set[int], packing) -> tuple[list, torch.Tensor]:
+def forward(stack, h: torch.Tensor, mask, cos, sin, cache, wanted: set[int], packing) -> tuple[list, torch.Tensor]:
     """The fused stack's decoder layers and final norm over the embeddings `h` (B, q, E) in one native call (see
-    `runtime/fused.FusedStack.__call__` for the arguments): the hidden states `wanted` (indices as
-    `output_hidden_states`'), and the final norm's output (B, q, E)."""
+    `runtime/fused.FusedStack.__call__` for the arguments; `cos`, `sin` (B, q, D), sin's first half negated): the
+    hidden states `wanted` (indices as `output_hidden_states`'), and the final norm's output (B, q, E)."""
     B, q, E = h.shape
     N, n, dtype = B * q, len(stack.layers), h.dtype
     fl = stack.layers[0]
     H, G, D = fl.heads, fl.kv_heads, fl.head_dim
     if isinstance(mask, dict) or (mask is not None and mask.dtype != dtype):
         raise ValueError("the native forward takes one float mask of the model's dtype")
-    cos, sin = stack.rotary(h, positions)  # (B, q, D)
-    sin = torch.cat([-sin[..., : D // 2], sin[..., D // 2 :]], dim=-1)  # rotate_half's sign, on sin
     cos, sin = cos.reshape(N, D).to(dtype).contiguous(), sin.reshape(N, D).to(dtype).contiguous()
     slot, row, keys, addr = (t.contiguous() for t in _rows(cache, mask, packing, B, q, h.device))
     cache_layers = _reserve(cache, h.new_empty((1, G, 0, D)), n)

@@ -567,16 +567,6 @@ extern "C" {
 // What a weight must be to pack: rows a multiple of this, columns a multiple of hs_chunk(dtype).
 int hs_rows_multiple() { return NB; }
 int hs_chunk(int dtype) { return dtype == 1 ? kc<bf16>() : kc<float>(); }
-// 1 where the products run this CPU's AVX-512 (BF16 for bfloat16) kernels, 0 where they run the portable loops.
-int hs_vectorized(int dtype) {
-#if defined(__AVX512BF16__)
-    if (dtype == 1) return 1;
-#endif
-#if defined(__AVX512F__)
-    if (dtype == 0) return 1;
-#endif
-    return 0;
-}
 size_t hs_sizeof_forward() { return sizeof(Forward); }
 size_t hs_sizeof_layer() { return sizeof(Layer); }
 
