@@ -10,7 +10,7 @@ very tokens, in bfloat16 as in float32).
 
 The library is compiled at first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`, FLAGS; $CXX
 overrides) into the cache folder (runtime/paths.cache_dir, `native/`), keyed by the source, flags and CPU
-(`build_id`): once per machine, ~5 s. Without a compiler, or where the build fails, `library()` is None and the fused
+(`build_id`): once per machine, ~2.5 s. Without a compiler, or where the build fails, `library()` is None and the fused
 stack (runtime/fused.py) runs as before (`build_error()` says why); `HEADSTART_NATIVE=0` turns it off
 (runtime/kernels.native_enabled). OpenMP is the one torch already loaded (libgomp), so its threads are torch's.
 
