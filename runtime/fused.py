@@ -201,8 +201,9 @@ class FusedStack:
         cos, sin = self.rotary(h, positions)  # (B, q, D)
         half = sin.shape[-1] // 2  # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        if self.native_layers() is not None:
-            hidden, h = native.forward(self, h, mask, cos, sin, cache, wanted, packing)
+        table = self.native_layers()
+        if table is not None:
+            hidden, h = native.forward(self, table, h, mask, cos, sin, cache, wanted, packing)
         else:
             hidden, h = self._layers(h, mask, cos, sin, cache, wanted, packing)
         rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

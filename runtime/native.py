@@ -249,8 +249,11 @@ def _rows(cache, mask, packing, B: int, q: int, device) -> tuple[torch.Tensor, .
     return which + cache.first, rows, keys, addr
 
 
-def forward(stack, h: torch.Tensor, mask, cos, sin, cache, wanted: set[int], packing) -> tuple[list, torch.Tensor]:
-    """The fused stack's decoder layers and final norm over the embeddings `h` (B, q, E) in one native call (see
+def forward(
+    stack, layers: Layers, h: torch.Tensor, mask, cos, sin, cache, wanted: set[int], packing
+) -> tuple[list, torch.Tensor]:
+    """The fused stack's decoder layers (`layers`: its `native_layers()`) and final norm over the embeddings `h`
+    (B, q, E) in one native call (see
     `runtime/fused.FusedStack.__call__` for the arguments; `cos`, `sin` (B, q, D), sin's first half negated): the
     hidden states `wanted` (indices as `output_hidden_states`'), and the final norm's output (B, q, E)."""
     B, q, E = h.shape
@@ -267,7 +270,7 @@ def forward(stack, h: torch.Tensor, mask, cos, sin, cache, wanted: set[int], pac
     h = h.contiguous()
     if 0 in wanted:
         hidden[0] = h.clone()  # the kernel writes h in place
-    table = stack.native_layers().table
+    table = layers.table
     for i, (entry, layer) in enumerate(zip(table, cache_layers, strict=False)):
         if layer._k.shape[2] != capacity:
             raise RuntimeError("the cache's layers differ in capacity")

@@ -90,20 +90,26 @@ def test_the_native_forward_computes_transformers_forward(family):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4)
 
 
+def _greedy_steps(model, n: int, slots: int = 1) -> tuple[Target, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """PROMPT prefilled, then `n` greedy one-row steps from root 7: the target and each step's (logits, feature)."""
+    steps = Target(model, slots=slots)
+    steps.prefill(PROMPT)
+    root, plain = 7, []
+    for _ in range(n):
+        v = steps.verify(root, DraftTree(), layers=(-1,))
+        steps.commit([])
+        plain.append((v.logits[0], v.hidden[0]))
+        root = int(v.logits[0].argmax())
+    return steps, plain
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_do_not_depend_on_the_rows_beside_them(dtype):
     """Row-count invariance, bitwise: greedy one-row steps, then the same tokens verified as one chain (a tree of 5
     rows), inside a batch beside another sequence's tree, and the prompt fed in chunks of 1, 3 and 7 rows: the same
     logits, features and cache rows as the one-row steps computed."""
     model = tiny_llama(init_std=0.2).to(dtype)
-    steps = Target(model, slots=2)
-    steps.prefill(PROMPT)
-    root, plain = 7, []
-    for _ in range(5):
-        v = steps.verify(root, DraftTree(), layers=(-1,))
-        steps.commit([])
-        plain.append((v.logits[0], v.hidden[0]))
-        root = int(v.logits[0].argmax())
+    steps, plain = _greedy_steps(model, 5, slots=2)
     chain = [int(logits.argmax()) for logits, _ in plain[:4]]
     kv = steps.cache.layers[1]._k[0, :, : steps.lengths[0]].clone()
 
@@ -134,14 +140,7 @@ def test_a_row_in_a_tree_of_2_to_64_rows_computes_its_one_row_step(dtype):
         root - g1 - g2 - ... - gc        (the greedy tokens)
           \-s   \-s   \-s              (siblings: token 5, each a child of a chain node in turn)"""
     model = tiny_llama(init_std=0.2).to(dtype)
-    steps = Target(model)
-    steps.prefill(PROMPT)
-    root, plain = 7, []
-    for _ in range(64):
-        v = steps.verify(root, DraftTree(), layers=(-1,))
-        steps.commit([])
-        plain.append((v.logits[0], v.hidden[0]))
-        root = int(v.logits[0].argmax())
+    steps, plain = _greedy_steps(model, 64)
     greedy = [int(logits.argmax()) for logits, _ in plain]
     for rows in (2, 3, 8, 17, 33, 64):
         c = max(1, (rows - 1) // 2)

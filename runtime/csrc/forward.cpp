@@ -103,82 +103,57 @@ inline void reduce(const __m512 acc[R][NB], float out[R][NB]) {
 }
 #endif
 
+// One AVX-512 step of a product: `step(acc, x, w)` adds x . w over one 64-byte chunk (32 bf16 or 16 float32) to
+// each lane of acc; the bf16 one where the CPU has AVX-512 BF16.
 #if defined(__AVX512BF16__)
-template <int R>
-inline void block_bf16(const bf16* x, int ldx, const bf16* w, int K, float out[R][NB]) {
-    __m512 acc[R][NB];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 32, w += NB * 32) {
-        __m512bh wv[NB];
-        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
-        for (int i = 0; i < R; i++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)i * ldx + k);
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-        }
-    }
-    reduce<R>(acc, out);
-}
-template <> inline void block<bf16, 1>(const bf16* x, int ldx, const bf16* w, int K, float acc[1][NB]) {
-    block_bf16<1>(x, ldx, w, K, acc);
-}
-template <> inline void block<bf16, MB>(const bf16* x, int ldx, const bf16* w, int K, float acc[MB][NB]) {
-    block_bf16<MB>(x, ldx, w, K, acc);
+inline __m512 step(__m512 acc, const bf16* x, const bf16* w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_loadu_si512(w));
 }
 #endif
-
 #if defined(__AVX512F__)
-template <int R>
-inline void block_f32(const float* x, int ldx, const float* w, int K, float out[R][NB]) {
+inline __m512 step(__m512 acc, const float* x, const float* w) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
+}
+template <typename T, int R>
+inline void block_simd(const T* x, int ldx, const T* w, int K, float out[R][NB]) {
+    const int C = kc<T>();
     __m512 acc[R][NB];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 16, w += NB * 16) {
-        __m512 wv[NB];
-        for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_ps(w + j * 16);
-        for (int i = 0; i < R; i++) {
-            __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
+    for (int k = 0; k < K; k += C, w += NB * C)
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < NB; j++) acc[i][j] = step(acc[i][j], x + (size_t)i * ldx + k, w + j * C);
     reduce<R>(acc, out);
 }
 template <> inline void block<float, 1>(const float* x, int ldx, const float* w, int K, float acc[1][NB]) {
-    block_f32<1>(x, ldx, w, K, acc);
+    block_simd<float, 1>(x, ldx, w, K, acc);
 }
 template <> inline void block<float, MB>(const float* x, int ldx, const float* w, int K, float acc[MB][NB]) {
-    block_f32<MB>(x, ldx, w, K, acc);
+    block_simd<float, MB>(x, ldx, w, K, acc);
+}
+#endif
+#if defined(__AVX512BF16__)
+template <> inline void block<bf16, 1>(const bf16* x, int ldx, const bf16* w, int K, float acc[1][NB]) {
+    block_simd<bf16, 1>(x, ldx, w, K, acc);
+}
+template <> inline void block<bf16, MB>(const bf16* x, int ldx, const bf16* w, int K, float acc[MB][NB]) {
+    block_simd<bf16, MB>(x, ldx, w, K, acc);
 }
 #endif
 
 // One input row against GROUP blocks (4 x NB weight rows) at once: the 16 sums reduced together (reduce16, each
 // in the order a block's own reduction adds it), so a row costs a quarter of the shuffles a block at a time would.
 const int GROUP = 4;
-#if defined(__AVX512BF16__)
-inline void row_group(const bf16* x, const bf16* w, int K, float out[GROUP][NB]) {
-    __m512 acc[GROUP][NB];
-    for (int g = 0; g < GROUP; g++)
-        for (int j = 0; j < NB; j++) acc[g][j] = _mm512_setzero_ps();
-    for (int k = 0, o = 0; k < K; k += 32, o += NB * 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-        for (int g = 0; g < GROUP; g++)
-            for (int j = 0; j < NB; j++)
-                acc[g][j] = _mm512_dpbf16_ps(acc[g][j], xv, (__m512bh)_mm512_loadu_si512(w + (size_t)g * NB * K + o + j * 32));
-    }
-    reduce16(acc, out);
-}
-#endif
 #if defined(__AVX512F__)
-inline void row_group(const float* x, const float* w, int K, float out[GROUP][NB]) {
+template <typename T>
+inline void row_group(const T* x, const T* w, int K, float out[GROUP][NB]) {
+    const int C = kc<T>();
     __m512 acc[GROUP][NB];
     for (int g = 0; g < GROUP; g++)
         for (int j = 0; j < NB; j++) acc[g][j] = _mm512_setzero_ps();
-    for (int k = 0, o = 0; k < K; k += 16, o += NB * 16) {
-        const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int k = 0, o = 0; k < K; k += C, o += NB * C)
         for (int g = 0; g < GROUP; g++)
-            for (int j = 0; j < NB; j++)
-                acc[g][j] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + (size_t)g * NB * K + o + j * 16), acc[g][j]);
-    }
+            for (int j = 0; j < NB; j++) acc[g][j] = step(acc[g][j], x + k, w + (size_t)g * NB * K + o + j * C);
     reduce16(acc, out);
 }
 #endif
@@ -192,12 +167,12 @@ inline void row_group_any(const T* x, const T* w, int K, float out[GROUP][NB]) {
 }
 #if defined(__AVX512BF16__)
 template <> inline void row_group_any<bf16>(const bf16* x, const bf16* w, int K, float out[GROUP][NB]) {
-    row_group(x, w, K, out);
+    row_group<bf16>(x, w, K, out);
 }
 #endif
 #if defined(__AVX512F__)
 template <> inline void row_group_any<float>(const float* x, const float* w, int K, float out[GROUP][NB]) {
-    row_group(x, w, K, out);
+    row_group<float>(x, w, K, out);
 }
 #endif
 
