@@ -9,7 +9,7 @@ and a prefill's rows equal what a one-row step computes for them (speculation an
 very tokens, in bfloat16 as in float32).
 
 The library is compiled at first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`, FLAGS; $CXX
-overrides) into the cache folder (runtime/paths.cache_dir, `native/`), keyed by the source, flags and CPU
+overrides; $HEADSTART_NATIVE_FLAGS adds flags, e.g. `-mno-avx512f` for the portable loops the tests also build) into the cache folder (runtime/paths.cache_dir, `native/`), keyed by the source, flags and CPU
 (`build_id`): once per machine, ~2.5 s. Without a compiler, or where the build fails, `library()` is None and the fused
 stack (runtime/fused.py) runs as before (`build_error()` says why); `HEADSTART_NATIVE=0` turns it off
 (runtime/kernels.native_enabled). OpenMP is the one torch already loaded (libgomp), so its threads are torch's.
@@ -59,6 +59,11 @@ class _Forward(ctypes.Structure):
     ]
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler's flags: FLAGS and then $HEADSTART_NATIVE_FLAGS."""
+    return FLAGS + tuple(os.environ.get("HEADSTART_NATIVE_FLAGS", "").split())
+
+
 def _cpu_key() -> str:
     """What the build depends on besides the source: the CPU's flags (-march=native) and the compiler."""
     flags = ""
@@ -72,7 +77,7 @@ def _cpu_key() -> str:
 
 def build_id() -> str:
     """What the library is built from: the source, the flags, the CPU and the compiler (a digest)."""
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode() + _cpu_key().encode()).hexdigest()[:16]
 
 
 def _build_dir() -> Path:
@@ -97,7 +102,7 @@ def library() -> ctypes.CDLL | None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp_out)], capture_output=True, text=True)
+            done = subprocess.run([cxx, *flags(), str(SOURCE), "-o", str(tmp_out)], capture_output=True, text=True)
             if done.returncode != 0:
                 _why_not.append(f"{cxx} failed: {done.stderr.strip()[-500:]}")
                 return None

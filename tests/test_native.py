@@ -2,6 +2,10 @@
 float64 forward, and row-count invariance: a row's values do not depend on how many rows share its forward (a
 tree's rows, a batch's, a prefill's chunk), bitwise, in bfloat16 as in float32."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -20,21 +24,52 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_products_equal_float64_and_each_row_its_one_row_product(dtype):
     torch.manual_seed(0)
-    weight = torch.randn(68, 96, dtype=torch.float64).to(dtype)
-    bias = torch.randn(68, dtype=torch.float64).to(dtype)
+    weight = torch.randn(80, 288, dtype=torch.float64).to(dtype)  # 5 strips of 16 outputs, 288 inputs: 3 blocks of k
+    bias = torch.randn(80, dtype=torch.float64).to(dtype)
     packed = native.pack(weight)
-    x = torch.randn(17, 96, dtype=torch.float64).to(dtype)
+    x = torch.randn(17, 288, dtype=torch.float64).to(dtype)
     exact = x.double() @ weight.double().T + bias.double()
     alone = torch.cat([native.linear(x[i : i + 1], packed, bias) for i in range(17)])
     tol = 1e-4 if dtype == torch.float32 else 0.05 * exact.abs().max().item()
     torch.testing.assert_close(alone.double(), exact, rtol=0, atol=tol)
-    for rows in (2, 3, 4, 5, 8, 17):  # blocks of 4 rows and the rows left over: every row as alone
+    for rows in (2, 3, 5, 6, 7, 12, 17):  # tiles of 6 rows and the rows left over: every row as alone
         assert torch.equal(native.linear(x[:rows], packed, bias), alone[:rows])
+
+
+PRODUCTS = """
+import sys, torch
+from headstart.runtime import native
+assert native.library() is not None, native.build_error()
+torch.manual_seed(0)
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    w, x = torch.randn(80, 288).to(dtype), torch.randn(9, 288).to(dtype)
+    out[str(dtype)] = native.linear(x, native.pack(w), None)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_the_portable_builds_pass_these_tests_and_agree_with_avx512f(tmp_path):
+    """The loops for CPUs without AVX-512 BF16 (bf16 as two float32 FMAs a pair) and without AVX-512 (plain C++):
+    this file's tests pass on each build, and both compute the very same float32 FMA chains."""
+    products = []
+    for extra in ("-mno-avx512bf16", "-mno-avx512f"):
+        env = {**os.environ, "HEADSTART_NATIVE_FLAGS": extra}
+        out = tmp_path / f"{extra}.pt"
+        subprocess.run([sys.executable, "-c", PRODUCTS, str(out)], env=env, check=True)  # fails where it cannot build
+        products.append(torch.load(out))
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not portable"],
+            env=env, capture_output=True, text=True,
+        )
+        assert done.returncode == 0 and "skipped" not in done.stdout, f"{extra}: {done.stdout[-3000:]}"
+    for dtype in products[0]:
+        assert torch.equal(products[0][dtype], products[1][dtype]), dtype
 
 
 def test_a_weight_of_another_shape_keeps_the_stock_packing():
     assert native.packable(torch.zeros(63, 64)) is not None and native.packable(torch.zeros(64, 64)) is None
-    assert native.packable(torch.zeros(64, 48, dtype=torch.bfloat16)) is not None  # bf16 columns: multiples of 32
+    assert native.packable(torch.zeros(64, 47, dtype=torch.bfloat16)) is not None  # bf16 columns: pairs
     model = tiny_llama(vocab_size=62)  # an lm_head of 62 rows
     prepack_linears(model)
     assert model.lm_head.kind == kernels.own_kind(model.lm_head.weight, "native") != "native"

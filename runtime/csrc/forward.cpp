@@ -7,14 +7,14 @@
 // (after each product, norm, residual add, activation), so the results stay close to transformers' (not bitwise:
 // the summation orders differ) and equal to themselves at any row count.
 //
-// Weights are repacked once (hs_pack): rows in blocks of NB, each block's columns in chunks of KC elements
-// interleaved row by row, so a product streams its weight front to back (the hardware prefetcher follows it: a
-// software prefetch 0.5-4 KB ahead of it measured no faster, two lines of every four slower).
+// Weights are repacked once (hs_pack) into strips of 16 outputs whose inputs run front to back (see "products"), so a
+// product streams each strip in order and every output's sum is one vector lane's chain in input order.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+#include <vector>
 #if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -22,9 +22,6 @@
 typedef uint16_t bf16;
 
 namespace {
-
-const int NB = 4;  // weight rows a block
-const int MB = 4;  // input rows a pass over a block (each row still in the one-row order)
 
 inline float to_f(float v) { return v; }
 inline float to_f(bf16 v) {
@@ -42,37 +39,11 @@ template <> inline bf16 from_f<bf16>(float f) {  // round to nearest even, as to
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16)(u >> 16);
 }
-template <typename T> inline int kc() { return sizeof(T) == 2 ? 32 : 16; }  // columns a chunk (64 bytes)
-
-// ---- products: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), rounded to T ---------------------------------------
-template <typename T, int R>
-inline void block_generic(const T* x, int ldx, const T* w, int K, float acc[R][NB]) {
-    const int C = kc<T>();
-    float lane[R][NB][16] = {};
-    for (int k = 0; k < K; k += C, w += NB * C) {
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < NB; j++)
-                for (int l = 0; l < C; l++) lane[i][j][l % 16] += to_f(x[(size_t)i * ldx + k + l]) * to_f(w[j * C + l]);
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NB; j++) {
-            float s = 0;
-            for (int l = 0; l < 16; l++) s += lane[i][j][l];
-            acc[i][j] = s;
-        }
-}
-
-template <typename T, int R>
-inline void block(const T* x, int ldx, const T* w, int K, float acc[R][NB]) {
-    block_generic<T, R>(x, ldx, w, K, acc);
-}
-
 #if defined(__AVX512F__)
 // The sums of 16 vectors' lanes at once, out[i][j] = the sum of acc[i][j]'s lanes, each in the order
-// _mm512_reduce_add_ps adds one vector's (lane l with l + 8, then p with p + 4, p + 2, p + 1): a block of MB rows
-// gives every row what a one-row block gives it, for a quarter of the shuffles.
-inline void reduce16(const __m512 acc[MB][NB], float out[MB][NB]) {
-    static_assert(MB == 4 && NB == 4, "reduce16 sums 4 x 4 accumulators");
+// _mm512_reduce_add_ps adds one vector's (lane l with l + 8, then p with p + 4, p + 2, p + 1): the attention's 16
+// keys' scores at once, each what `dot` gives it, for a quarter of the shuffles.
+inline void reduce16(const __m512 acc[4][4], float out[4][4]) {
     const __m512* v = &acc[0][0];
     __m512 r[8], s[4], t[2];
     for (int i = 0; i < 8; i++)  // each lane l of v with lane l + 8: v[2i] in lanes 0-7, v[2i+1] in 8-15
@@ -88,128 +59,11 @@ inline void reduce16(const __m512 acc[MB][NB], float out[MB][NB]) {
     const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
     float sums[16];
     _mm512_storeu_ps(sums, u);
-    for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NB; j++) out[i][j] = sums[4 * j + i];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) out[i][j] = sums[4 * j + i];
 }
 
-template <int R>
-inline void reduce(const __m512 acc[R][NB], float out[R][NB]) {
-    if constexpr (R == MB) {
-        reduce16(acc, out);
-    } else {
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < NB; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-    }
-}
 #endif
-
-// One AVX-512 step of a product: `step(acc, x, w)` adds x . w over one 64-byte chunk (32 bf16 or 16 float32) to
-// each lane of acc; the bf16 one where the CPU has AVX-512 BF16.
-#if defined(__AVX512BF16__)
-inline __m512 step(__m512 acc, const bf16* x, const bf16* w) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_loadu_si512(w));
-}
-#endif
-#if defined(__AVX512F__)
-inline __m512 step(__m512 acc, const float* x, const float* w) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
-}
-template <typename T, int R>
-inline void block_simd(const T* x, int ldx, const T* w, int K, float out[R][NB]) {
-    const int C = kc<T>();
-    __m512 acc[R][NB];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += C, w += NB * C)
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < NB; j++) acc[i][j] = step(acc[i][j], x + (size_t)i * ldx + k, w + j * C);
-    reduce<R>(acc, out);
-}
-template <> inline void block<float, 1>(const float* x, int ldx, const float* w, int K, float acc[1][NB]) {
-    block_simd<float, 1>(x, ldx, w, K, acc);
-}
-template <> inline void block<float, MB>(const float* x, int ldx, const float* w, int K, float acc[MB][NB]) {
-    block_simd<float, MB>(x, ldx, w, K, acc);
-}
-#endif
-#if defined(__AVX512BF16__)
-template <> inline void block<bf16, 1>(const bf16* x, int ldx, const bf16* w, int K, float acc[1][NB]) {
-    block_simd<bf16, 1>(x, ldx, w, K, acc);
-}
-template <> inline void block<bf16, MB>(const bf16* x, int ldx, const bf16* w, int K, float acc[MB][NB]) {
-    block_simd<bf16, MB>(x, ldx, w, K, acc);
-}
-#endif
-
-// One input row against GROUP blocks (4 x NB weight rows) at once: the 16 sums reduced together (reduce16, each
-// in the order a block's own reduction adds it), so a row costs a quarter of the shuffles a block at a time would.
-const int GROUP = 4;
-#if defined(__AVX512F__)
-template <typename T>
-inline void row_group(const T* x, const T* w, int K, float out[GROUP][NB]) {
-    const int C = kc<T>();
-    __m512 acc[GROUP][NB];
-    for (int g = 0; g < GROUP; g++)
-        for (int j = 0; j < NB; j++) acc[g][j] = _mm512_setzero_ps();
-    for (int k = 0, o = 0; k < K; k += C, o += NB * C)
-        for (int g = 0; g < GROUP; g++)
-            for (int j = 0; j < NB; j++) acc[g][j] = step(acc[g][j], x + k, w + (size_t)g * NB * K + o + j * C);
-    reduce16(acc, out);
-}
-#endif
-template <typename T>
-inline void row_group_any(const T* x, const T* w, int K, float out[GROUP][NB]) {  // the portable loops
-    for (int g = 0; g < GROUP; g++) {
-        float acc[1][NB];
-        block<T, 1>(x, K, w + (size_t)g * NB * K, K, acc);
-        for (int j = 0; j < NB; j++) out[g][j] = acc[0][j];
-    }
-}
-#if defined(__AVX512BF16__)
-template <> inline void row_group_any<bf16>(const bf16* x, const bf16* w, int K, float out[GROUP][NB]) {
-    row_group<bf16>(x, w, K, out);
-}
-#endif
-#if defined(__AVX512F__)
-template <> inline void row_group_any<float>(const float* x, const float* w, int K, float out[GROUP][NB]) {
-    row_group<float>(x, w, K, out);
-}
-#endif
-
-// Inside a parallel region: the weight's blocks split among the threads (each a contiguous run of groups).
-template <typename T>
-void gemm(const T* x, int M, int K, const T* P, const T* bias, T* y, int N) {
-    const int blocks = N / NB, groups = blocks / GROUP;
-#pragma omp for schedule(static)
-    for (int gi = 0; gi < groups + blocks % GROUP; gi++) {
-        const int b0 = gi < groups ? gi * GROUP : groups * GROUP + (gi - groups);  // the group's first block
-        const int nb = gi < groups ? GROUP : 1;  // blocks in it (the blocks left over go one at a time)
-        int m = 0;
-        for (; m + MB <= M; m += MB)
-            for (int b = b0; b < b0 + nb; b++) {
-                float acc[MB][NB];
-                block<T, MB>(x + (size_t)m * K, K, P + (size_t)b * NB * K, K, acc);
-                for (int i = 0; i < MB; i++)
-                    for (int j = 0; j < NB; j++)
-                        y[(size_t)(m + i) * N + b * NB + j] = from_f<T>(acc[i][j] + (bias ? to_f(bias[b * NB + j]) : 0.f));
-            }
-        for (; m < M; m++) {
-            float acc[GROUP][NB];
-            if (nb == GROUP) {
-                row_group_any<T>(x + (size_t)m * K, P + (size_t)b0 * NB * K, K, acc);
-            } else {
-                float one[1][NB];
-                block<T, 1>(x + (size_t)m * K, K, P + (size_t)b0 * NB * K, K, one);
-                for (int j = 0; j < NB; j++) acc[0][j] = one[0][j];
-            }
-            for (int g = 0; g < nb; g++)
-                for (int j = 0; j < NB; j++) {
-                    const int n = (b0 + g) * NB + j;
-                    y[(size_t)m * N + n] = from_f<T>(acc[g][j] + (bias ? to_f(bias[n]) : 0.f));
-                }
-        }
-    }
-}
 
 // ---- the layers' pointwise steps ------------------------------------------------------------------------------
 template <typename T>
@@ -352,20 +206,50 @@ template <typename T>
 inline void dots(const float* q, const T* K, int n, int D, float* out) {
     int j = 0;
 #if defined(__AVX512F__)
-    for (; j + MB * NB <= n; j += MB * NB) {
-        __m512 acc[MB][NB];
-        for (int k = 0; k < MB * NB; k++) {
+    for (; j + 16 <= n; j += 16) {
+        __m512 acc[4][4];
+        for (int k = 0; k < 16; k++) {
             const T* key = K + (size_t)(j + k) * D;
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), load16(key));
             for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(key + d), a);
-            acc[k / NB][k % NB] = a;
+            acc[k / 4][k % 4] = a;
         }
-        float sums[MB][NB];
+        float sums[4][4];
         reduce16(acc, sums);
-        for (int k = 0; k < MB * NB; k++) out[j + k] = sums[k / NB][k % NB];
+        for (int k = 0; k < 16; k++) out[j + k] = sums[k / 4][k % 4];
     }
 #endif
     for (; j < n; j++) out[j] = dot(q, K + (size_t)j * D, D);
+}
+
+// scores[j] = e^(s_j - max s) for s_j = scores[j] * scale + mask[j] (unnormalised softmax weights; a masked key's
+// is exactly 0), 16 keys at a time where AVX-512 runs, each exactly as the scalar tail computes it
+template <typename T>
+inline void softmax_weights(float* scores, int n, float scale, const T* mask) {
+    float top = -INFINITY;
+    int j = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(scale);
+    __m512 tv = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) {
+        __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(scores + j), sv);
+        if (mask) sc = _mm512_add_ps(sc, load16(mask + j));
+        _mm512_storeu_ps(scores + j, sc);
+        tv = _mm512_max_ps(tv, sc);
+    }
+    top = _mm512_reduce_max_ps(tv);
+#endif
+    for (; j < n; j++) {
+        const float sc = scores[j] * scale + (mask ? to_f(mask[j]) : 0.f);
+        scores[j] = sc;
+        top = sc > top ? sc : top;
+    }
+    j = 0;
+#if defined(__AVX512F__)
+    const __m512 topv = _mm512_set1_ps(top);
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(scores + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), topv)));
+#endif
+    for (; j < n; j++) scores[j] = exp_f(scores[j] - top);
 }
 
 // acc[0..D) = sum_j p[j] V[j] over the keys of nonzero weight (in key order), and the sum of the weights
@@ -399,6 +283,137 @@ inline float weighted_sum(const float* p, const T* V, int n, int D, float* acc) 
         axpy(acc, p[j], V + (size_t)j * D, D);
     }
     return total;
+}
+
+// ---- products: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), rounded to T ---------------------------------------
+// The packed weight (hs_pack): strips of LANES outputs, each strip's inputs front to back in steps of KS (bf16: a pair,
+// what one vdpbf16ps lane adds; float32: one), a step holding the strip's outputs side by side:
+// P[s][k / KS][l][k % KS] = W[LANES s + l][k]. An output's sum is one accumulator lane adding step after step in k
+// order: no reduction across lanes, and the same operations whatever the rows or strips computed beside it. A tile
+// is up to MR rows x NR strips (MR x NR accumulators in registers); the threads split the strips.
+const int LANES = 16;
+const int MR = 6;  // rows a tile (MR x NR accumulators and NR weights: 28 of the 32 vector registers)
+const int NR = 4;  // strips a tile
+template <typename T> constexpr int ks() { return sizeof(T) == 2 ? 2 : 1; }
+#define TILE_ARGS x, ldx, P, strip, k0, k1, part, bias, y, ldy, last  // a tile's arguments, passed on
+
+// One tile, up to MR rows x NR strips, over inputs [k0, k1): each output's float32 FMA chain in k order, carried
+// between blocks of k in `part` (row i, output LANES j + l at (i NR + j) LANES + l) and, after the last block, rounded
+// into y with its bias. The portable way here; the AVX-512 one below computes the very same chains.
+template <typename T>
+void tile_any(int R, int S, const T* x, int ldx, const T* P, size_t strip, int k0, int k1, float* part, const T* bias,
+              T* y, int ldy, bool last) {
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < S; j++)
+            for (int l = 0; l < LANES; l++) {
+                const T* w = P + j * strip + (size_t)l * ks<T>();
+                float a = k0 ? part[(i * NR + j) * LANES + l] : 0.f;
+                for (int k = k0; k < k1; k += ks<T>())
+                    for (int e = 0; e < ks<T>(); e++)
+                        a = std::fma(to_f(x[(size_t)i * ldx + k + e]), to_f(w[(size_t)k * LANES + e]), a);
+                part[(i * NR + j) * LANES + l] = a;
+                if (last) y[(size_t)i * ldy + j * LANES + l] = from_f<T>(a + (bias ? to_f(bias[j * LANES + l]) : 0.f));
+            }
+}
+
+#if defined(__AVX512F__)
+// A step's input broadcast to every lane, and acc + x . w over the step for each lane's output
+inline __m512 bcast(const float* x) { return _mm512_set1_ps(*x); }
+inline __m512 madd(__m512 acc, __m512 x, __m512i w) { return _mm512_fmadd_ps(x, _mm512_castsi512_ps(w), acc); }
+#if defined(__AVX512BF16__)
+inline __m512i bcast(const bf16* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, 4);
+    return _mm512_set1_epi32(pair);
+}
+inline __m512 madd(__m512 acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+#else
+struct Pair {
+    __m512 lo, hi;
+};
+inline Pair bcast(const bf16* x) { return {_mm512_set1_ps(to_f(x[0])), _mm512_set1_ps(to_f(x[1]))}; }
+inline __m512 madd(__m512 acc, Pair x, __m512i w) {  // tile_any's two FMAs
+    acc = _mm512_fmadd_ps(x.lo, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
+    return _mm512_fmadd_ps(x.hi, _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u))), acc);
+}
+#endif
+
+template <typename T, int R, int S>
+inline void tile(const T* x, int ldx, const T* P, size_t strip, int k0, int k1, float* part, const T* bias, T* y,
+                 int ldy, bool last) {
+    __m512 acc[R][S];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < S; j++) acc[i][j] = k0 ? _mm512_loadu_ps(part + (i * NR + j) * LANES) : _mm512_setzero_ps();
+    for (int k = k0; k < k1; k += ks<T>()) {
+        __m512i w[S];
+        for (int j = 0; j < S; j++) w[j] = _mm512_loadu_si512(P + j * strip + (size_t)k * LANES);
+        for (int i = 0; i < R; i++) {
+            const auto xb = bcast(x + (size_t)i * ldx + k);
+            for (int j = 0; j < S; j++) acc[i][j] = madd(acc[i][j], xb, w[j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < S; j++) {
+            if (!last) {
+                _mm512_storeu_ps(part + (i * NR + j) * LANES, acc[i][j]);
+                continue;
+            }
+            const __m512 v = bias ? _mm512_add_ps(acc[i][j], load16(bias + j * LANES)) : acc[i][j];
+            store16(y + (size_t)i * ldy + j * LANES, round16(y, v));
+        }
+}
+template <typename T, int R>
+inline void tile_r(int S, const T* x, int ldx, const T* P, size_t strip, int k0, int k1, float* part, const T* bias,
+                   T* y, int ldy, bool last) {
+    switch (S) {
+        case 1: return tile<T, R, 1>(TILE_ARGS);
+        case 2: return tile<T, R, 2>(TILE_ARGS);
+        case 3: return tile<T, R, 3>(TILE_ARGS);
+        default: return tile<T, R, NR>(TILE_ARGS);
+    }
+}
+#endif
+
+template <typename T>
+inline void tiles(int R, int S, const T* x, int ldx, const T* P, size_t strip, int k0, int k1, float* part,
+                  const T* bias, T* y, int ldy, bool last) {
+#if defined(__AVX512F__)
+    static_assert(MR == 6, "the dispatch below covers 1-6 rows");
+    switch (R) {
+        case 1: return tile_r<T, 1>(S, TILE_ARGS);
+        case 2: return tile_r<T, 2>(S, TILE_ARGS);
+        case 3: return tile_r<T, 3>(S, TILE_ARGS);
+        case 4: return tile_r<T, 4>(S, TILE_ARGS);
+        case 5: return tile_r<T, 5>(S, TILE_ARGS);
+        default: return tile_r<T, MR>(S, TILE_ARGS);
+    }
+#else
+    tile_any<T>(R, S, TILE_ARGS);
+#endif
+}
+
+// Inside a parallel region: each thread its run of strips, NR strips at a time, their inputs in blocks of KB (the
+// block's weights, 16 KB, stay in L1 while every row passes over them); returns once every thread has written.
+template <typename T>
+void gemm(const T* x, int M, int K, const T* P, const T* bias, T* y, int N) {
+    const int strips = N / LANES, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int first = (int)((long)strips * t / nt), end = (int)((long)strips * (t + 1) / nt);
+    const size_t strip = (size_t)K * LANES;
+    const int KB = 4096 / (LANES * (int)sizeof(T));  // a strip's 4 KB
+    const int per_tile = MR * NR * LANES;
+    thread_local std::vector<float> parts;  // each row tile's partial sums between blocks of k
+    if (parts.size() < (size_t)(M + MR - 1) / MR * per_tile) parts.resize((size_t)(M + MR - 1) / MR * per_tile);
+    for (int s = first; s < end; s += NR) {
+        const int S = end - s < NR ? end - s : NR;
+        for (int k0 = 0; k0 < K; k0 += KB) {
+            const int k1 = K - k0 < KB ? K : k0 + KB;
+            for (int m = 0; m < M; m += MR)
+                tiles<T>(M - m < MR ? M - m : MR, S, x + (size_t)m * K, K, P + s * strip, strip, k0, k1,
+                         parts.data() + (size_t)m / MR * per_tile, bias ? bias + s * LANES : nullptr,
+                         y + (size_t)m * N + s * LANES, N, k1 == K);
+        }
+    }
+#pragma omp barrier
 }
 
 struct Layer {
@@ -487,13 +502,7 @@ void run(const Forward& f) {
                 float qf[512];
                 for (int d = 0; d < D; d++) qf[d] = to_f(qv[d]);
                 dots(qf, K, n, D, scores);
-                float top = -INFINITY;
-                for (int j = 0; j < n; j++) {
-                    const float sc = scores[j] * f.scale + (mask ? to_f(mask[j]) : 0.f);
-                    scores[j] = sc;
-                    top = sc > top ? sc : top;
-                }
-                for (int j = 0; j < n; j++) scores[j] = exp_f(scores[j] - top);
+                softmax_weights(scores, n, f.scale, mask);
                 float acc[512];
                 const float total = weighted_sum(scores, V, n, D, acc);
                 T* o = att + (size_t)r * H * D + (size_t)hh * D;
@@ -527,12 +536,11 @@ void run(const Forward& f) {
 
 template <typename T>
 void pack(const T* W, T* P, int N, int K) {
-    const int C = kc<T>();
-    for (int b = 0; b < N / NB; b++)
-        for (int c = 0; c < K / C; c++)
-            for (int j = 0; j < NB; j++)
-                std::memcpy(P + (((size_t)b * (K / C) + c) * NB + j) * C, W + ((size_t)b * NB + j) * K + (size_t)c * C,
-                            C * sizeof(T));
+    for (int s = 0; s < N / LANES; s++)
+        for (int k = 0; k < K; k += ks<T>())
+            for (int l = 0; l < LANES; l++)
+                for (int e = 0; e < ks<T>(); e++)
+                    P[((size_t)s * K + k) * LANES + l * ks<T>() + e] = W[((size_t)s * LANES + l) * K + k + e];
 }
 
 }  // namespace
@@ -540,8 +548,8 @@ void pack(const T* W, T* P, int N, int K) {
 extern "C" {
 
 // What a weight must be to pack: rows a multiple of this, columns a multiple of hs_chunk(dtype).
-int hs_rows_multiple() { return NB; }
-int hs_chunk(int dtype) { return dtype == 1 ? kc<bf16>() : kc<float>(); }
+int hs_rows_multiple() { return LANES; }
+int hs_chunk(int dtype) { return dtype == 1 ? ks<bf16>() : ks<float>(); }
 size_t hs_sizeof_forward() { return sizeof(Forward); }
 size_t hs_sizeof_layer() { return sizeof(Layer); }
 
