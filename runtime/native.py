@@ -10,8 +10,9 @@ very tokens, in bfloat16 as in float32).
 
 The library is compiled at first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`, FLAGS; $CXX
 overrides; $HEADSTART_NATIVE_FLAGS adds flags, e.g. `-mno-avx512f` for the portable loops the tests also build) into
-the cache folder (runtime/paths.cache_dir, `native/`), keyed by the source, flags and CPU (`build_id`): once per machine, ~2.5 s. Without a compiler, or where the build fails, `library()` is None and the fused
-stack (runtime/fused.py) runs as before (`build_error()` says why); `HEADSTART_NATIVE=0` turns it off
+the cache folder (runtime/paths.cache_dir, `native/`), keyed by the source, flags and CPU (`build_id`): once per
+machine, ~2.5 s. Without a compiler, or where the build fails, `library()` is None and the fused stack
+(runtime/fused.py) runs as before (`build_error()` says why); `HEADSTART_NATIVE=0` turns it off
 (runtime/kernels.native_enabled). OpenMP is the one torch already loaded (libgomp), so its threads are torch's.
 
 Which products: the same weights as the model's (packed copies: `kernels.PackedLinear` of kind "native"); the module
