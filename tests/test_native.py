@@ -60,7 +60,9 @@ def test_the_portable_builds_pass_these_tests_and_agree_with_avx512f(tmp_path):
         products.append(torch.load(out))
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not portable"],
-            env=env, capture_output=True, text=True,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         assert done.returncode == 0 and "skipped" not in done.stdout, f"{extra}: {done.stdout[-3000:]}"
     for dtype in products[0]:
