@@ -1,6 +1,7 @@
 """The serving bench: a process started as the bench starts its servers imports the snapshot's code, not the
 checkout's (from the checkout's root, `python -c` imported the working tree whatever PYTHONPATH said); repeated
-levels take prompts of their own (with --unseen, no prompt sent twice) and report their median; a bench short of memory stops rather than time the swap."""
+levels take prompts of their own (with --unseen, no prompt sent twice) and report their median; a bench short of
+memory stops rather than time the swap."""
 
 from __future__ import annotations
 

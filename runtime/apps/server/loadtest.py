@@ -121,7 +121,10 @@ def run_level(
     url: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, api_key: str | None = None
 ) -> dict:
     def client_job(c: int) -> list[dict]:
-        with httpx.Client(base_url=url, timeout=None, headers=auth(api_key)) as client:
+        # a connection a request: llama-server closes a kept-alive connection after a streamed answer, and the next
+        # request on it fails ("Server disconnected without sending a response")
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(base_url=url, timeout=None, headers=auth(api_key), limits=fresh) as client:
             return [
                 one_request(client, model, prompts[(c * per_client + i) % len(prompts)], max_tokens)
                 for i in range(per_client)
