@@ -3,6 +3,7 @@ float64 forward, and row-count invariance: a row's values do not depend on how m
 tree's rows, a batch's, a prefill's chunk), bitwise, in bfloat16 as in float32."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ torch.save(out, sys.argv[1])
 """
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags (-mno-avx512f)")
 def test_the_portable_builds_pass_these_tests_and_agree_with_avx512f(tmp_path):
     """The loops for CPUs without AVX-512 BF16 (bf16 as two float32 FMAs a pair) and without AVX-512 (plain C++):
     this file's tests pass on each build, and both compute the very same float32 FMA chains."""
