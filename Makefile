@@ -6,7 +6,7 @@ DEEPSPEED ?= deepspeed==0.19.8
 BIN    := $(VENV)/bin
 
 .PHONY: install demo test lint bench gpu-check pinned vllm-serve test-vllm bench-vllm bench-serve test-speculators \
-	test-llamacpp bench-llamacpp llamacpp clean
+	test-llamacpp bench-llamacpp bench-serve-llamacpp llamacpp clean
 
 install: $(VENV)/.installed
 
@@ -139,6 +139,11 @@ llamacpp: $(LLAMACPP_HOME)/.built
 # held-out chat prompts of their own, systems alternating prompt by prompt: docs/benchmarks.md (tests/engines/llamacpp_bench.py)
 bench-llamacpp: install $(LLAMACPP_HOME)/.built $(VENV)/.llamacpp-convert
 	$(BIN)/python tests/engines/llamacpp_bench.py --llamacpp $(LLAMACPP_HOME) --doc docs/benchmarks.md $(LLAMACPP_BENCH_ARGS)
+
+# headstart serve beside llama-server -np 16 at 1 and 16 clients, every request a held-out prompt no level sent, 3
+# repeats interleaved, medians (docs/benchmarks.md, "Serving beside llama-server -np 16"); ~25 minutes
+bench-serve-llamacpp: install $(LLAMACPP_HOME)/.built $(VENV)/.llamacpp-convert
+	for d in float32 auto; do $(BIN)/python tests/engines/serve_bench.py --skip-vllm --clients 1,16 --repeats 3 --unseen --llamacpp $(LLAMACPP_HOME) --dtype $$d || exit 1; done
 
 # the converter runs in .venv with the gguf-py it ships; of its requirements only sentencepiece is missing there
 # (its own pins, torch 2.11 and transformers 4.57, are not needed: it reads the model with ours)

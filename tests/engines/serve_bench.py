@@ -1,6 +1,6 @@
 """`make bench-serve`: headstart's server beside vLLM's OpenAI server, the same client, prompts and machine.
 
-    .venv/bin/python tests/engines/serve_bench.py --vllm-python .venv-vllm/bin/python [--prompts FILE]
+    .venv/bin/python tests/engines/serve_bench.py (--vllm-python .venv-vllm/bin/python | --skip-vllm) [--prompts FILE]
         [--clients 1,2,4,8,16,32] [--requests-per-client 4] [--max-tokens 64] [--dtype float32|auto]
         [--baseline REV] [--tree-budget N [--graft-budget G]] [--repeats R] [--unseen] [--skip-vllm]
         [--llamacpp DIR] [--doc docs/benchmarks.md]
@@ -298,7 +298,7 @@ def write_heldout(path: Path, n: int = 64) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vllm-python", required=True)
+    p.add_argument("--vllm-python", default=None, help="the vLLM venv's python (not with --skip-vllm)")
     p.add_argument("--prompts", default=None, help="JSONL chat prompts ({'id', 'turns'} a line)")
     p.add_argument("--clients", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-client", type=int, default=4)
@@ -315,7 +315,9 @@ def main() -> int:
     p.add_argument("--graft-budget", type=int, default=None, help="the fixed tree's lookup nodes (default: serve's)")
     p.add_argument("--doc", default=None)
     args = p.parse_args()
-    if os.sep in args.vllm_python:  # a path: absolute (not resolved: a venv's python is a link), run elsewhere
+    if args.vllm_python is None and not args.skip_vllm:
+        p.error("--vllm-python is required unless --skip-vllm")
+    if args.vllm_python and os.sep in args.vllm_python:  # a path: absolute (a venv's python is a link), run elsewhere
         args.vllm_python = str(Path(args.vllm_python).absolute())
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     levels = [int(c) for c in args.clients.split(",")]
