@@ -65,8 +65,9 @@ def _key(target: Target, kind: str | None = None) -> str:
     None: those packed now; the native ones' build), torch, the version of our forward."""
     config = target.model.config.to_json_string(use_diff=False)
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu_name()
-    kernels = f"{target.packed.kind if kind is None else kind}, grouped attention {target.grouped}"
-    if (target.packed.kind if kind is None else kind) == "native":  # its costs change with its source
+    kind = target.packed.kind if kind is None else kind
+    kernels = f"{kind}, grouped attention {target.grouped}"
+    if kind == "native":  # its costs change with its source
         kernels += f", native {native.build_id()}"
     parts = [config, str(target.dtype), device, kernels, torch.__version__, str(torch.get_num_threads())]
     parts.append(f"forward v{FORWARD_VERSION}")

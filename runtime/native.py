@@ -67,13 +67,13 @@ def flags() -> tuple[str, ...]:
 
 def _cpu_key() -> str:
     """What the build depends on besides the source: the CPU's flags (-march=native) and the compiler."""
-    flags = ""
+    cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            cpu = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return flags + os.environ.get("CXX", "g++")
+    return cpu + os.environ.get("CXX", "g++")
 
 
 def build_id() -> str:
@@ -90,22 +90,26 @@ def _build_dir() -> Path:
 _why_not: list[str] = []
 
 
+def compile_library(source: Path, out: Path) -> str | None:
+    """Compile `source` into the shared library `out` with $CXX (g++) and `flags()`: None, or why it failed."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx}) on PATH"
+    done = subprocess.run([cxx, *flags(), str(source), "-o", str(out)], capture_output=True, text=True)
+    return f"{cxx} failed: {done.stderr.strip()[-500:]}" if done.returncode else None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled library (built here at first use, see the module docstring), or None where it cannot be built
     (`build_error()` says why)."""
     out = _build_dir() / "libheadstart_forward.so"
     if not out.exists():
-        cxx = os.environ.get("CXX", "g++")
-        if shutil.which(cxx) is None:
-            _why_not.append(f"no C++ compiler ({cxx}) on PATH")
-            return None
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            done = subprocess.run([cxx, *flags(), str(SOURCE), "-o", str(tmp_out)], capture_output=True, text=True)
-            if done.returncode != 0:
-                _why_not.append(f"{cxx} failed: {done.stderr.strip()[-500:]}")
+            if error := compile_library(SOURCE, tmp_out):
+                _why_not.append(error)
                 return None
             os.replace(tmp_out, out)  # atomic: a concurrent build (test workers) finds a whole library or none
     lib = ctypes.CDLL(str(out))
@@ -259,9 +263,9 @@ def forward(
     stack, layers: Layers, h: torch.Tensor, mask, cos, sin, cache, wanted: set[int], packing
 ) -> tuple[list, torch.Tensor]:
     """The fused stack's decoder layers (`layers`: its `native_layers()`) and final norm over the embeddings `h`
-    (B, q, E) in one native call (see
-    `runtime/fused.FusedStack.__call__` for the arguments; `cos`, `sin` (B, q, D), sin's first half negated): the
-    hidden states `wanted` (indices as `output_hidden_states`'), and the final norm's output (B, q, E)."""
+    (B, q, E) in one native call (see `runtime/fused.FusedStack.__call__` for the arguments; `cos`, `sin` (B, q, D),
+    sin's first half negated): the hidden states `wanted` (indices as `output_hidden_states`'), and the final
+    norm's output (B, q, E)."""
     B, q, E = h.shape
     N, n, dtype = B * q, len(stack.layers), h.dtype
     fl = stack.layers[0]

@@ -402,7 +402,8 @@ void gemm(const T* x, int M, int K, const T* P, const T* bias, T* y, int N) {
     const int KB = 4096 / (LANES * (int)sizeof(T));  // a strip's 4 KB
     const int per_tile = MR * NR * LANES;
     thread_local std::vector<float> parts;  // each row tile's partial sums between blocks of k
-    if (parts.size() < (size_t)(M + MR - 1) / MR * per_tile) parts.resize((size_t)(M + MR - 1) / MR * per_tile);
+    const size_t need = (size_t)(M + MR - 1) / MR * per_tile;
+    if (parts.size() < need) parts.resize(need);
     for (int s = first; s < end; s += NR) {
         const int S = end - s < NR ? end - s : NR;
         for (int k0 = 0; k0 < K; k0 += KB) {

@@ -93,12 +93,17 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(response.read())
 
 
+def server_command(bin_dir: Path, model: Path, port: int, threads: int, slots: int = 1) -> list[str]:
+    """llama-server on `model` at 127.0.0.1:`port`: `slots` sequences batched, 4,096 tokens of context each."""
+    cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "--host", "127.0.0.1"]
+    return [*cmd, "-np", str(slots), "-c", str(4096 * slots), "-t", str(threads)]
+
+
 @contextmanager
 def llama_server(bin_dir: Path, model: Path, extra: list[str], threads: int, log: Path, slots: int = 1):
     """A llama-server on a free port (its base URL), stopped on exit; its output goes to `log`."""
     port = free_port()
-    cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "--host", "127.0.0.1"]
-    cmd += ["-np", str(slots), "-c", str(4096 * slots), "-t", str(threads), "--no-warmup", *extra]
+    cmd = [*server_command(bin_dir, model, port, threads, slots), "--no-warmup", *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

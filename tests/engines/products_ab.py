@@ -5,7 +5,7 @@ rows, each build packing its own copy, the two alternating 7 times a row count (
     .venv/bin/python tests/engines/products_ab.py --base REV [--head REV] [--dtype bfloat16|float32]
 
 REV: a git revision (`git show REV:runtime/csrc/forward.cpp`); --head defaults to the working tree's file. Both are
-compiled with runtime/native.py's flags into a temporary folder. Registered background jobs are paused.
+compiled as runtime/native.py compiles its library, into a temporary folder. Registered background jobs are paused.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def build(rev: str | None, tmp: Path, name: str) -> ctypes.CDLL:
             ).stdout
         )
     out = tmp / f"{name}.so"
-    subprocess.run(["g++", *native.flags(), str(src), "-o", str(out)], check=True, capture_output=True)
+    if error := native.compile_library(src, out):
+        raise SystemExit(f"{rev or 'the working tree'}: {error}")
     return ctypes.CDLL(str(out))
 
 

@@ -271,14 +271,13 @@ def exported_eagle3(tmp: Path, model_dir: str) -> Path:
 def llama_server(home: Path, model_dir: str, args, slots: int) -> Server:
     """llama.cpp's server on the dtype's GGUF (converted by its own converter, llamacpp_check.target_gguf): `slots`
     sequences batched, 2 threads, the GGUF's chat template (--jinja)."""
-    from llamacpp_check import target_gguf
+    from llamacpp_check import server_command, target_gguf
 
     if not (home / ".built").exists():
         raise SystemExit(f"no llama.cpp build in {home}: run `make llamacpp`")
     outtype = "f32" if args.dtype == "float32" else "bf16"
     gguf = target_gguf(home, sys.executable, Path(model_dir), outtype)
-    command = [str(home / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", "8009"]
-    command += ["-np", str(slots), "-c", str(4096 * slots), "-t", "2", "--jinja", "--alias", NAME]
+    command = [*server_command(home / "build" / "bin", gguf, 8009, 2, slots), "--jinja", "--alias", NAME]
     return Server(
         f"llama.cpp llama-server -np {slots} ({outtype.upper()})", command, 8009, dict(os.environ), args.clients
     )
