@@ -1,6 +1,6 @@
 """`make bench-llamacpp`: headstart beside llama.cpp on the same model, prompts and machine, one request at a time.
 
-    .venv/bin/python tests/engines/llamacpp_bench.py [--dtypes float32,bfloat16] [--prompts N] [--repeats R]
+    .venv/bin/python tests/engines/llamacpp_bench.py [--dtypes float32,bfloat16] [--prompts N] [--repeats R] [--skip S]
 
 The embedded model converted by llama.cpp's own converter from headstart's weights (F32 and BF16 GGUFs, cached
 beside the build of `make llamacpp`), T = 0, batch 1, held-out chat prompts (the committed held-out ids, never
@@ -194,6 +194,7 @@ def main() -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--prompts", type=int, default=8, help="held-out chat prompts a repeat")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip", type=int, default=0, help="start this many held-out prompts in (prompts no run sent)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(cache_dir() / "runs" / "llamacpp-bench"))
@@ -213,9 +214,11 @@ def main() -> int:
     draft = convert(home / "llama.cpp", sys.executable, head_dir, out / "eagle3-f32.gguf", "f32", model_dir)
 
     needed = args.prompts * (args.repeats + 1)  # + one set for the warm-up
-    write_heldout(out / "heldout-chat.jsonl", needed)
+    write_heldout(out / "heldout-chat.jsonl", args.skip + needed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    texts = [pr.text for pr in load_prompts(out / "heldout-chat.jsonl")]
+    texts = [pr.text for pr in load_prompts(out / "heldout-chat.jsonl")][args.skip :]
+    if len(texts) < needed:
+        sys.exit(f"--skip {args.skip}: only {len(texts)} held-out prompts left, {needed} needed")
     ids = [prompt_ids(tokenizer, t) for t in texts]
     prompts = [ids[i : i + args.prompts] for i in range(0, needed, args.prompts)]
 
@@ -227,7 +230,8 @@ def main() -> int:
     (out / "llamacpp-bench.json").write_text(json.dumps(results, indent=2))
     head = (
         f"`make bench-llamacpp`, {time.strftime('%Y-%m-%d')}, {cpu_name()} ({args.threads} threads): T = 0, batch 1, "
-        f"{args.prompts} held-out chat prompts a repeat, {args.repeats} repeats on prompts of their own, "
+        f"{args.prompts} held-out chat prompts a repeat (from held-out prompt {args.skip + 1}), {args.repeats} "
+        "repeats on prompts of their own, "
         f"{args.max_tokens} new tokens; llama.cpp 0.3.36's (0c1e570), the same weights converted by its converter"
     )
     text = "\n".join([head, "", *lines])
