@@ -161,19 +161,26 @@ class FusedStack:
         return self._native[1]
 
     @staticmethod
-    def refusal(model: nn.Module) -> str | None:
-        """Why `model` keeps transformers' forward, or None where the fused stack runs it."""
-        config = model.config
+    def config_refusal(config) -> str | None:
+        """Why decoder layers of `config` are not ones the fused stack runs (None: they are)."""
         if config.model_type not in FUSED_TYPES:
             return f"model type {config.model_type!r} (the fused stack runs {', '.join(FUSED_TYPES)})"
         if AttentionLayout(config).window is not None:
             return "sliding-window attention"
-        if live_lora(model):
-            return "a live LoRA adapter"
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             return f"activation {config.hidden_act!r}"
         if getattr(config, "mlp_bias", False):
             return "MLP biases"
+        return None
+
+    @staticmethod
+    def refusal(model: nn.Module) -> str | None:
+        """Why `model` keeps transformers' forward, or None where the fused stack runs it."""
+        why = FusedStack.config_refusal(model.config)
+        if why is not None:
+            return why
+        if live_lora(model):
+            return "a live LoRA adapter"
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "an unexpected module layout"

@@ -56,7 +56,8 @@ class _Forward(ctypes.Structure):
         ("threads", ctypes.c_int32),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        *[(n, ctypes.c_void_p) for n in "h cos sin slot row keys mask final_norm out layer work".split()],
+        *[(n, ctypes.c_void_p) for n in "h cos sin slot row keys mask final_norm out layer work x_in".split()],
+        ("x_width", ctypes.c_int32),
     ]
 
 
@@ -191,23 +192,26 @@ class Layers:
 
 def layers(fused_layers: list) -> Layers | None:
     """The fused stack's layers (runtime/fused.FusedLayer) as the native forward reads them, or None where one of
-    their products is not packed for it, or their norms or heads are of a kind it does not run."""
+    their products is not packed for it, or their norms or heads are of a kind it does not run. A layer whose input
+    norm has no weight (an EAGLE head's `nn.Identity`) feeds its input to q/k/v as it is."""
     if library() is None or not fused_layers:
         return None
-    eps = {fl.input_norm.variance_epsilon for fl in fused_layers}
+    eps = set()
     table = (_Layer * len(fused_layers))()
     tensors: list[torch.Tensor] = []
     for entry, fl in zip(table, fused_layers, strict=True):
         products = [_packed(m) for m in (fl.qkv, fl.attn.o_proj, fl.gate_up, fl.mlp.down_proj)]
         if any(p is None for p in products) or fl.head_dim > MAX_HEAD_DIM or fl.head_dim % 16:
             return None
-        norms = [fl.input_norm, fl.post_norm, *(n for n in (fl.q_norm, fl.k_norm) if n is not None)]
+        in_norm = fl.input_norm if hasattr(fl.input_norm, "weight") else None
+        norms = [n for n in (in_norm, fl.post_norm, fl.q_norm, fl.k_norm) if n is not None]
         eps |= {n.variance_epsilon for n in norms}
         if any(n.weight.dtype != products[0].dtype or not n.weight.is_contiguous() for n in norms):
             return None
         biases = [fl.qkv.bias, fl.attn.o_proj.bias]
         tensors += products + [n.weight for n in norms] + [b for b in biases if b is not None]
-        entry.in_norm, entry.post_norm = fl.input_norm.weight.data_ptr(), fl.post_norm.weight.data_ptr()
+        entry.in_norm = in_norm.weight.data_ptr() if in_norm is not None else None
+        entry.post_norm = fl.post_norm.weight.data_ptr()
         entry.q_norm = fl.q_norm.weight.data_ptr() if fl.q_norm is not None else None
         entry.k_norm = fl.k_norm.weight.data_ptr() if fl.k_norm is not None else None
         entry.qkv, entry.o, entry.gate_up, entry.down = (p.data_ptr() for p in products)
@@ -269,39 +273,72 @@ def forward(
     B, q, E = h.shape
     N, n, dtype = B * q, len(stack.layers), h.dtype
     fl = stack.layers[0]
-    H, G, D = fl.heads, fl.kv_heads, fl.head_dim
     if isinstance(mask, dict) or (mask is not None and mask.dtype != dtype):
         raise ValueError("the native forward takes one float mask of the model's dtype")
-    cos, sin = cos.reshape(N, D).to(dtype).contiguous(), sin.reshape(N, D).to(dtype).contiguous()
-    slot, row, keys, addr = (t.contiguous() for t in _rows(cache, mask, packing, B, q, h.device))
-    cache_layers = _reserve(cache, h.new_empty((1, G, 0, D)), n)
-    capacity = cache_layers[0]._k.shape[2]
+    rows = _rows(cache, mask, packing, B, q, h.device)
+    cache_layers = _reserve(cache, h.new_empty((1, fl.kv_heads, 0, fl.head_dim)), n)
     hidden: list[torch.Tensor | None] = [None] * (n + 1)
     h = h.contiguous()
     if 0 in wanted:
         hidden[0] = h.clone()  # the kernel writes h in place
-    table = layers.table
-    for i, (entry, layer) in enumerate(zip(table, cache_layers, strict=False)):
-        if layer._k.shape[2] != capacity:
-            raise RuntimeError("the cache's layers differ in capacity")
-        entry.k_cache, entry.v_cache = layer._k.data_ptr(), layer._v.data_ptr()
-        if i + 1 in wanted and i + 1 < n:
-            hidden[i + 1] = torch.empty_like(h)
-        entry.hidden_out = hidden[i + 1].data_ptr() if i + 1 < n and hidden[i + 1] is not None else None
+    for i in range(1, n):
+        if i in wanted:
+            hidden[i] = torch.empty_like(h)
+    kv = [(layer._k, layer._v) for layer in cache_layers[:n]]
+    out = run(stack, fl, layers, h.view(N, E), cos.reshape(N, -1), sin.reshape(N, -1), rows, kv, stack.norm.weight,
+              hidden[1:n])  # fmt: skip
+    if n in wanted:
+        hidden[n] = out.view(B, q, E)
+    return hidden, out.view(B, q, E)
+
+
+def run(
+    holder,
+    fl,
+    layers: Layers,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    final_norm: torch.Tensor | None,
+    hidden_out: list[torch.Tensor | None] = (),
+    x_in: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One native call: the layers of `layers` (shaped like the FusedLayer `fl`) over h (N, E), contiguous, written in
+    place, each row at its rotary `cos`/`sin` (N, D), sin's first half negated, and its `rows` (slot, row written,
+    keys read, mask row address; each (N,)) in the caches `kv` (each layer's (slots, G, capacity, D) keys and values);
+    the first layer's q/k/v read `x_in` (N, X) instead of its input norm where given; a layer's output to
+    `hidden_out[i]` where not None. Returns final_norm(h) (N, E), or h's copy without a `final_norm`. `holder` keeps
+    the workspace between calls."""
+    N, E = h.shape
+    H, G, D, dtype = fl.heads, fl.kv_heads, fl.head_dim, h.dtype
+    cos, sin = cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
+    slot, row, keys, addr = (t.contiguous() for t in rows)
+    capacity = kv[0][0].shape[2]
+    if len(kv) != len(layers.table):
+        raise ValueError(f"{len(kv)} layers' caches for {len(layers.table)} layers")
+    for entry, (k, v), out_i in zip(layers.table, kv, [*hidden_out, *[None] * len(kv)], strict=False):
+        if k.shape[2] != capacity or not (k.is_contiguous() and v.is_contiguous()):
+            raise RuntimeError("the cache's layers differ in capacity or are not contiguous")
+        entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+        entry.hidden_out = out_i.data_ptr() if out_i is not None else None
     out = torch.empty_like(h)
     lib = library()
     code = DTYPES[dtype]
     need = lib.hs_workspace_bytes(code, N, E, H, G, D, fl.intermediate)
-    work = getattr(stack, "_work", None)
+    work = getattr(holder, "_work", None)
     if work is None or work.numel() < need:
-        work = stack._work = torch.empty(need, dtype=torch.uint8)
-    eps, threads = float(fl.input_norm.variance_epsilon), torch.get_num_threads()
+        work = holder._work = torch.empty(need, dtype=torch.uint8)
+    if x_in is not None:
+        x_in = x_in.to(dtype).contiguous()
+    eps, threads = float(fl.post_norm.variance_epsilon), torch.get_num_threads()  # one epsilon: `layers`
     f = _Forward(
-        code, N, E, H, G, D, fl.intermediate, n, capacity, threads, eps, float(fl.scaling),
+        code, N, E, H, G, D, fl.intermediate, len(kv), capacity, threads, eps, float(fl.scaling),
         h.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot.data_ptr(), row.data_ptr(), keys.data_ptr(),
-        addr.data_ptr(), stack.norm.weight.data_ptr(), out.data_ptr(), ctypes.addressof(table), work.data_ptr(),
+        addr.data_ptr(), None if final_norm is None else final_norm.data_ptr(), out.data_ptr(),
+        ctypes.addressof(layers.table), work.data_ptr(), None if x_in is None else x_in.data_ptr(),
+        0 if x_in is None else x_in.shape[1],
     )  # fmt: skip
     lib.hs_forward(ctypes.byref(f))
-    if n in wanted:
-        hidden[n] = out
-    return hidden, out
+    return out

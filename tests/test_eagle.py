@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from headstart.runtime.drafters.eagle import EagleDrafter
+from headstart.runtime.drafters.native_head import NativeHead
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.target import Target
@@ -191,7 +192,8 @@ def test_head_dtype_auto_drafts_greedy_decodes_in_bfloat16_under_a_float32_targe
         for sampling, dtype in ((SamplingParams(0.0), greedy), (SamplingParams(0.8), fp32)):
             fork = drafter.fork()
             fork.start(prompt, hidden, sampling, seed=0)
-            assert fork.dtype == dtype and next(fork.head.parameters()).dtype == dtype
+            module = fork.head.head if isinstance(fork.head, NativeHead) else fork.head  # the native layers' module
+            assert fork.dtype == dtype and next(module.parameters()).dtype == dtype
             assert fork.readout.weight.dtype == dtype
             assert len(fork.propose(prompt)) > 0  # features and embeddings enter in the head's dtype
     assert next(head.parameters()).dtype == fp32  # the caller's module is left as it was

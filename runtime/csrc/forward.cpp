@@ -418,7 +418,7 @@ void gemm(const T* x, int M, int K, const T* P, const T* bias, T* y, int N) {
 }
 
 struct Layer {
-    const void *in_norm, *post_norm, *q_norm, *k_norm;  // (hidden,), (hidden,), (D,) or null, (D,) or null
+    const void *in_norm, *post_norm, *q_norm, *k_norm;  // (hidden,) or null (none), (hidden,), (D,) or null, (D,) or null
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;  // packed products, biases or null
     void *k_cache, *v_cache;  // (slots, G, capacity, D)
     void* hidden_out;  // (N, hidden): this layer's output, or null
@@ -430,10 +430,12 @@ struct Forward {
     void* h;  // (N, hidden): the embeddings in, the last layer's output out
     const void *cos, *sin;  // (N, D): each row's rotary, sin's first half negated
     const int64_t *slot, *row, *keys, *mask;  // (N,): the cache slot, the row it writes, keys it reads, mask row address
-    const void* final_norm;
+    const void* final_norm;  // or null: out is the last layer's output
     void* out;  // (N, hidden): the final norm's output
     const Layer* layer;
     void* work;  // workspace: hs_workspace_bytes
+    const void* x_in;  // (N, x_width) or null: what the first layer's q/k/v product reads instead of its input norm of
+    int32_t x_width;   // h (an EAGLE-3 draft layer's [norm(embedding); norm(fused state)], 2 hidden wide)
 };
 
 template <typename T>
@@ -458,9 +460,19 @@ void run(const Forward& f) {
             const Layer& L = f.layer[li];
             T* kc = (T*)L.k_cache;
             T* vc = (T*)L.v_cache;
+            const T* x = xn;  // what q/k/v read: the input norm of h, h itself (no norm), or the caller's rows
+            int K = E;
+            if (li == 0 && f.x_in) {
+                x = (const T*)f.x_in;
+                K = f.x_width;
+            } else if (!L.in_norm) {
+                x = h;
+            } else {
 #pragma omp for schedule(static)
-            for (int r = 0; r < N; r++) rms_norm(h + (size_t)r * E, (const T*)L.in_norm, f.eps, E, xn + (size_t)r * E);
-            gemm<T>(xn, N, E, (const T*)L.qkv, (const T*)L.qkv_bias, qkv, QKV);
+                for (int r = 0; r < N; r++)
+                    rms_norm(h + (size_t)r * E, (const T*)L.in_norm, f.eps, E, xn + (size_t)r * E);
+            }
+            gemm<T>(x, N, K, (const T*)L.qkv, (const T*)L.qkv_bias, qkv, QKV);
             // q/k norms (Qwen3), rotary on q and k, q to its buffer, k and v into the cache at the row's slot and row
 #pragma omp for schedule(static)
             for (int t = 0; t < N * (H + G); t++) {
@@ -529,8 +541,10 @@ void run(const Forward& f) {
             }
         }
 #pragma omp for schedule(static)
-        for (int r = 0; r < N; r++)
-            rms_norm(h + (size_t)r * E, (const T*)f.final_norm, f.eps, E, (T*)f.out + (size_t)r * E);
+        for (int r = 0; r < N; r++) {
+            if (f.final_norm) rms_norm(h + (size_t)r * E, (const T*)f.final_norm, f.eps, E, (T*)f.out + (size_t)r * E);
+            else std::memcpy((T*)f.out + (size_t)r * E, h + (size_t)r * E, E * sizeof(T));
+        }
         delete[] scores;
     }
 }

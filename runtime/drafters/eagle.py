@@ -51,6 +51,7 @@ from headstart.runtime.attention import attend_with_grouped_sdpa
 from headstart.runtime.budget import Offer
 from headstart.runtime.cost_curve import LiveSizer, TreeChoice, scale_accuracy
 from headstart.runtime.drafters.base import SamplingDrafter
+from headstart.runtime.drafters.native_head import HeadCache, NativeHead
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.drafters.together import Drafting, HeadStep, drive
 from headstart.runtime.kernels import head_dtypes, prepack_like_target
@@ -82,13 +83,13 @@ class EagleDrafter(SamplingDrafter):
         super().__init__(lm_head.weight.device, o.draft_temperature)
         self.embed = embed
         greedy, sampled = head_dtypes(o.head_dtype, lm_head.weight)
-        built: dict[torch.dtype, tuple[torch.dtype, nn.Module, DraftReadout]] = {}
+        built: dict[torch.dtype, tuple[torch.dtype, nn.Module | NativeHead, DraftReadout]] = {}
         for dtype in {greedy, sampled}:
             own = head if next(head.parameters()).dtype == dtype else copy.deepcopy(head).to(dtype)  # theirs as is
             readout = own.readout(lm_head, o.draft_vocab).to(dtype)
             prepack_like_target(lm_head, own, readout)  # packed kernels when the target's are
             attend_with_grouped_sdpa(own)  # it reads packed rows when sequences draft together (`together.py`)
-            built[dtype] = (dtype, own, readout)
+            built[dtype] = (dtype, NativeHead.build(own) or own, readout)  # the native draft layers where they run
         self._heads = {True: built[greedy], False: built[sampled]}  # (dtype, head, readout) by greedy or not
         self._draft_in(greedy=True)
         self.feature_layers = head.feature_layers
@@ -96,7 +97,7 @@ class EagleDrafter(SamplingDrafter):
         self.vocab_size = lm_head.weight.shape[0]
         self.depth, self.top_k, self.budget, self.min_prob = o.depth, o.top_k, o.budget, o.min_prob
         self.shape = choose_tree_shape(rank_accuracy, o.sampled_budget) if rank_accuracy else None
-        self.cache = DynamicCache()
+        self.cache = self._new_cache()
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
         self._pending: list[tuple[torch.Tensor, list[int]]] = []  # committed pairs not yet in the cache
         self._backlog = 0  # of them, the rounds' (the prompt's are not counted: `backlog`)
@@ -107,7 +108,7 @@ class EagleDrafter(SamplingDrafter):
 
     def clear(self) -> None:
         super().clear()
-        self.cache = DynamicCache()
+        self.cache = self._new_cache()
         self._root_feature = None
         self._pending, self._backlog = [], 0
         self._drafted = 0
@@ -216,15 +217,20 @@ class EagleDrafter(SamplingDrafter):
         allowed = causal_after(past, n)
         return self._step(features, tokens, torch.arange(past, past + n), allowed, read)
 
+    def _new_cache(self) -> HeadCache | DynamicCache:
+        """An empty cache for the head this drafter drafts with now: a slot of the native draft layers' pool, or a
+        DynamicCache for transformers' layers."""
+        return self.head.new_cache() if isinstance(self.head, NativeHead) else DynamicCache()
+
     def _draft_in(self, greedy: bool) -> None:
         """Draft with the head of a greedy or of a sampled decode; features and embeddings enter in its dtype."""
         self.dtype, self.head, self.readout = self._heads[greedy]
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
-        self.cache = DynamicCache()
         self._root_feature = None
         self.start_sampling(sampling, seed)
         self._draft_in(self.sampling.greedy)
+        self.cache = self._new_cache()
         has = prompt_hidden is not None and len(prompt_hidden)
         self._pending = [(prompt_hidden.to(self.dtype), list(prompt_ids[1:]))] if has else []  # at the first drafting
         self._backlog = 0

@@ -24,6 +24,7 @@ from torch import nn
 
 from headstart.heads.masks import additive_mask
 from headstart.runtime.attention import Packing
+from headstart.runtime.drafters.native_head import NativeHead
 from headstart.runtime.tree import DraftTree
 
 
@@ -32,10 +33,10 @@ class HeadStep:
     """One head forward of one sequence: append `tokens`' pairs to `cache` (rows at `positions`, (n,), each seeing
     the keys `allowed` marks, (n, past + n)) and read out the last `read` outputs."""
 
-    head: nn.Module
+    head: nn.Module | NativeHead
     readout: nn.Module
     embed: nn.Module
-    cache: object  # the sequence's own head cache (a transformers DynamicCache)
+    cache: object  # the sequence's own head cache (a transformers DynamicCache, or a native_head.HeadCache)
     features: torch.Tensor  # (n, F) target features, or the head's own outputs
     tokens: list[int]
     positions: torch.Tensor  # (n,)
@@ -47,11 +48,14 @@ class HeadStep:
         return id(self.head), id(self.readout), self.features.shape[-1]
 
 
-Drafting = Generator[HeadStep, tuple[torch.Tensor, torch.Tensor | None], DraftTree]
+HeadOut = tuple[torch.Tensor, torch.Tensor | None]  # a step's outputs (n, H) and its read rows' logits (read, N)
+Drafting = Generator[HeadStep, HeadOut, DraftTree]
 
 
-def run_alone(step: HeadStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_alone(step: HeadStep) -> HeadOut:
     """The head's outputs (n, H) and the logits (read, N) of the last `read` of them, for one sequence."""
+    if isinstance(step.head, NativeHead):
+        return run_together([step])[0]
     device = step.features.device
     embeds = step.embed(torch.tensor(step.tokens, device=device)).to(step.features.dtype)  # the head's dtype
     mask = additive_mask(step.allowed, step.features.dtype, device)
@@ -59,11 +63,13 @@ def run_alone(step: HeadStep) -> tuple[torch.Tensor, torch.Tensor | None]:
     return out, step.readout(out[-step.read :]) if step.read else None
 
 
-def run_together(steps: list[HeadStep]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def run_together(steps: list[HeadStep]) -> list[HeadOut]:
     """`run_alone` for several sequences sharing a head, in one head forward and one readout."""
-    if len(steps) == 1:
-        return [run_alone(steps[0])]
     first = steps[0]
+    if isinstance(first.head, NativeHead):  # one native call, each sequence's rows in its own slot
+        return _read_out(first.readout, first.head.run(steps), steps)
+    if len(steps) == 1:
+        return [run_alone(first)]
     device, dtype = first.features.device, first.features.dtype  # the head attends with grouped_sdpa (EagleDrafter)
     sizes = [len(s.tokens) for s in steps]
     q, kv = max(sizes), max(s.allowed.shape[1] for s in steps)
@@ -77,9 +83,13 @@ def run_together(steps: list[HeadStep]) -> list[tuple[torch.Tensor, torch.Tensor
     cache = _Stacked([s.cache for s in steps], sizes)
     mask = additive_mask(allowed, dtype, device)  # (r, 1, q, kv)
     out = first.head(features, embeds, positions, mask, cache=cache, packing=Packing.of(sizes, device))[0]
-    outs = out.split(sizes)  # each (n_i, H)
+    return _read_out(first.readout, out.split(sizes), steps)
+
+
+def _read_out(readout, outs: list[torch.Tensor], steps: list[HeadStep]) -> list[HeadOut]:
+    """Each step's outputs (n_i, H) and the logits of its last `read`, every sequence's in one readout."""
     reads = [o[-s.read :] for o, s in zip(outs, steps, strict=True) if s.read]
-    logits = iter(first.readout(torch.cat(reads)).split([s.read for s in steps if s.read]) if reads else ())
+    logits = iter(readout(torch.cat(reads)).split([s.read for s in steps if s.read]) if reads else ())
     return [(o, next(logits) if s.read else None) for o, s in zip(outs, steps, strict=True)]
 
 
