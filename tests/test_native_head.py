@@ -73,6 +73,25 @@ def test_native_draft_layers_compute_what_transformers_layer_computes(kind, opti
 
 
 @torch.inference_mode()
+def test_rotary_rows_past_the_first_table_are_the_heads_own():
+    """A step after a sequence's first 256 + rows (the tables grow): still the head's forward."""
+    drafter, _ = drafter_for("eagle3", {})
+    native_head, held = drafter.head, []
+    for past in (0, 300, 1000):  # the tables made for 263 rows, then grown past 300, then past 1000
+        fork_native, fork_module = native_head.new_cache(), DynamicCache()
+        held.append(fork_native)  # a fresh slot each: zeros before the steps' rows, as the module's
+        fork_native.length = past
+        fork_module.update(*(torch.zeros(1, 2, past, 16),) * 2, 0)  # as many rows before (zeros in both)
+        for a, b in zip(
+            steps_of(drafter, native_head, fork_native, seed=2, past=past),
+            steps_of(drafter, native_head.head, fork_module, seed=2, past=past),
+            strict=True,
+        ):
+            torch.testing.assert_close(run_alone(a)[0], run_alone(b)[0], atol=2e-5, rtol=1e-4)
+    assert len(native_head._cos) >= 1010
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind, options", HEADS[:2])
 def test_a_sequence_drafts_the_same_bits_alone_and_beside_others(kind, options, dtype):

@@ -162,9 +162,9 @@ class NativeHead:
         a dynamic rotary (its frequencies depend on the length) is computed at every call."""
         rotary, kwargs = self.head.rotary, getattr(self.head, "rotary_kwargs", {})
         dynamic = "dynamic" in str(getattr(rotary, "rope_type", ""))
-        need = int(positions.max()) + 1
-        if dynamic or self._cos is None or len(self._cos) < need:
-            at = positions if dynamic else torch.arange(max(need + MIN_CAPACITY, 2 * len(self._cos or ())))
+        need, have = int(positions.max()) + 1, 0 if self._cos is None else len(self._cos)
+        if dynamic or have < need:
+            at = positions if dynamic else torch.arange(max(need + MIN_CAPACITY, 2 * have))
             cos, sin = rotary(like, at[None], **kwargs)  # (1, L, D)
             half = sin.shape[-1] // 2
             sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)

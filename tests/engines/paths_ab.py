@@ -5,9 +5,10 @@ tok/s per method and path over the same prompts (all tokens over all seconds), e
 native over generic, and how many answers equal their path's plain answer (T = 0).
 
     .venv/bin/python tests/engines/paths_ab.py [--dtype bfloat16] [--limit-per-category 2] [--prompts FILE]
-        [--methods plain,lookup,eagle,eagle+lookup,eagle3,eagle3+lookup] [--max-new-tokens 128]
+        [--methods plain,lookup,eagle,eagle+lookup,eagle3,eagle3+lookup] [--max-new-tokens 128] [--demo]
 
-Spec-Bench (../shared/data/eval/spec_bench.jsonl) by default. Registered background jobs are paused.
+Spec-Bench (../shared/data/eval/spec_bench.jsonl) by default; `--demo`: `headstart demo`'s prompts, each method
+the demo can run. Registered background jobs are paused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from headstart.runtime.apps.bench import SPEC_BENCH_GROUPS, method_options, method_spec, run_method
+    from headstart.runtime.apps.demo import PROMPTS as DEMO_PROMPTS
     from headstart.runtime.background import paused
     from headstart.runtime.engine import Engine
     from headstart.runtime.prompts import load_prompts
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--limit-per-category", type=int, default=2)
     p.add_argument("--methods", default="plain,lookup,eagle,eagle+lookup,eagle3,eagle3+lookup")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--demo", action="store_true", help="`headstart demo`'s prompts instead of --prompts")
     args = p.parse_args()
     methods = args.methods.split(",")
     options = method_options(methods, {})
@@ -45,8 +48,12 @@ def main() -> None:
         drafters[path] = {m: engines[path].make_drafter(method_spec(m), **o) for m, o in options.items()}
     os.environ.pop("HEADSTART_NATIVE")
     assert engines["native"].target.packed.kind == "native" != engines["generic"].target.packed.kind
-    prompts = load_prompts(args.prompts, None, args.limit_per_category, groups=SPEC_BENCH_GROUPS)
-    encoded = [engines["native"].encode(pr.text) for pr in prompts]
+    if args.demo:
+        texts, source = DEMO_PROMPTS, "headstart demo's prompts"
+    else:
+        texts = [pr.text for pr in load_prompts(args.prompts, None, args.limit_per_category, groups=SPEC_BENCH_GROUPS)]
+        source = f"prompts of {Path(args.prompts).name}"
+    encoded = [engines["native"].encode(text) for text in texts]
     greedy = SamplingParams()
     tokens = {(path, m): 0 for path in PATHS for m in methods}
     seconds = dict.fromkeys(tokens, 0.0)
@@ -65,14 +72,14 @@ def main() -> None:
                     plain = run.tokens if m == "plain" else plain
                     same[path, m] += run.tokens == plain
     rate = {k: tokens[k] / seconds[k] for k in tokens}
-    print(f"{args.dtype}, {len(prompts)} prompts of {Path(args.prompts).name}, T = 0, {args.max_new_tokens} tokens")
+    print(f"{args.dtype}, {len(texts)} {source}, T = 0, {args.max_new_tokens} tokens")
     print("| method | native tok/s | vs its plain | generic tok/s | vs its plain | native / generic | same as plain |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for m in methods:
         n, g = rate["native", m], rate["generic", m]
         print(
             f"| {m} | {n:.1f} | {n / rate['native', 'plain']:.2f} | {g:.1f} | {g / rate['generic', 'plain']:.2f} "
-            f"| {n / g:.2f} | {same['native', m]} / {same['generic', m]} of {len(prompts)} |"
+            f"| {n / g:.2f} | {same['native', m]} / {same['generic', m]} of {len(texts)} |"
         )
 
 
