@@ -21,7 +21,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.checkpoint import CheckpointConfig
 from headstart.heads.kinds import KINDS
-from headstart.runtime.cost_curve import LiveSizer, TreeChoice, calibrated_target, cost_curve
 from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.drafters.registry import (
     entry,
@@ -36,8 +35,10 @@ from headstart.runtime.generate import Chunk, GenerationStats, SharedPrefix, str
 from headstart.runtime.models import DEFAULT_MODEL, load_model
 from headstart.runtime.paths import cache_dir
 from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.sizing.cost_curve import LiveSizer, calibrated_target, cost_curve
 from headstart.runtime.text import TextDecoder
 from headstart.runtime.tokens import chat_ids, eos_ids
+from headstart.runtime.tree import TreeChoice
 
 
 @dataclass
@@ -158,7 +159,7 @@ class Engine:
         return drafter
 
     def tree_choice(self, spec: str, **options: Any) -> TreeChoice | None:
-        """The calibrated greedy tree of `spec` as it stands (`runtime/cost_curve.py`): None when a profile or a
+        """The calibrated greedy tree of `spec` as it stands (`runtime/sizing/cost_curve.py`): None when a profile or a
         budget was given, when the drafter has no trained heads, or their config holds no per-rank accuracies."""
         sizer = self._sizer(spec, **options)
         return sizer.choice[False] if sizer is not None else None

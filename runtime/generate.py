@@ -162,7 +162,7 @@ class Batch:
     `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts, the
     seconds spent aside since the last plan (this round's prefill, the last round's drafting) and the joiners
     waiting for a prefill, and whether the last round's time is a sample of a round's cost
-    (`runtime/budget.Planner`; None: each drafter drafts what it drafts). `mix`: while others decode, joiners'
+    (`runtime/sizing/planner.Planner`; None: each drafter drafts what it drafts). `mix`: while others decode, joiners'
     prompt chunks ride in the round's forward (`Target.verify_batch`'s prefills; None: where the target can,
     `Target.mixes_prefill`), else each chunk is a forward of its own before the round."""
 

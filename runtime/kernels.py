@@ -16,7 +16,7 @@ pass does, without compiling anything):
   keep the stock kernel (a GEMV reads the plain layout best). `mkl_packs_serve_any_rows` checks that at first use
   (else float32 packs as oneDNN). The forward's cost by rows under each copy: docs/tuning.md ("One MKL pack for
   every row count"); before, a copy was made per bucket of 4, 8, 16 and 32 rows and a tree padded to the next.
-  Which kind is cheaper depends on the CPU: `runtime/cost_curve.choose_kernels` times both on the whole target
+  Which kind is cheaper depends on the CPU: `runtime/sizing/cost_curve.choose_kernels` times both on the whole target
   once per machine (an AVX2-only AMD EPYC: oneDNN 66 / 75 / 94 / 133 ms for 1 / 2 / 4 / 8 rows, MKL 69 / 112 /
   112 / 154; a 2-core AMD EPYC Zen 4: oneDNN, docs/tuning.md).
 

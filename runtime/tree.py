@@ -319,3 +319,26 @@ def expected_acceptance_length(rank_accuracy: list[list[float]], shape: list[tup
             p *= rank_accuracy[depth][rank]
         total += p
     return total
+
+
+Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents first (`choose_tree_shape`)
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    budget: int  # draft nodes
+    depth: int  # the deepest path of the best tree of that budget
+    expected_tokens: float  # per round (expected acceptance length)
+    round_ms: float  # forward over budget + 1 rows + drafting
+    plain_ms: float  # a forward over one row
+    shape: Shape = ()  # the best static tree of `budget` nodes (what a sampled tree draws)
+
+    @property
+    def expected_speedup(self) -> float:
+        return self.expected_tokens / self.round_ms * self.plain_ms
+
+
+def scale_accuracy(rank_accuracy: list[list[float]], factor: float) -> list[list[float]]:
+    """Every probability times `factor`, a depth's ranks together never above 1 (scaled back to sum 1)."""
+    rows = [[a * factor for a in row] for row in rank_accuracy]
+    return [[a / max(sum(row), 1.0) for a in row] for row in rows]

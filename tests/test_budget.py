@@ -1,7 +1,7 @@
-"""The budget (runtime/budget.py): each round's allocation of tree nodes across a batch is the brute-force optimum
-of expected tokens per ms; it falls to plain decoding as the batch grows on a steep cost curve and keeps trees on
-a flat one; the batched cost model (runtime/batch_cost.py) fits what it measures; a sequence sized by the budget
-keeps its greedy tokens and its tree never exceeds the width paid for."""
+"""The budget (runtime/sizing/planner.py): each round's allocation of tree nodes across a batch is the brute-force
+optimum of expected tokens per ms; it falls to plain decoding as the batch grows on a steep cost curve and keeps trees
+on a flat one; the batched cost model (runtime/sizing/batch_cost.py) fits what it measures; a sequence sized by the
+budget keeps its greedy tokens and its tree never exceeds the width paid for."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from headstart.runtime.batch_cost import BatchCost, fit_batch_cost, measure_batch_cost
-from headstart.runtime.budget import Offer, Planner, Price, allocate, expected_rate, plain_rate, plan_ms
-from headstart.runtime.drafters.budgeted import Budgeted
+from headstart.runtime.drafters.base import Offer
 from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.generate import Batch, Request
+from headstart.runtime.sizing.batch_cost import BatchCost, fit_batch_cost, measure_batch_cost
+from headstart.runtime.sizing.budgeted import Budgeted
+from headstart.runtime.sizing.planner import Planner, Price, allocate, expected_rate, plain_rate, plan_ms
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 from helpers.models import tiny_llama
@@ -368,7 +369,7 @@ def test_what_grafts_are_worth_is_learnt_from_every_request():
     Budgeted share the record (each request starting from GRAFT_PRIOR alone, at two requests the budget never
     tried grafts worth 3 nodes a round on held-out chat, and never learnt it)."""
     from headstart.runtime.drafters.base import Drafter
-    from headstart.runtime.drafters.budgeted import GRAFT_PRIOR
+    from headstart.runtime.sizing.budgeted import GRAFT_PRIOR
 
     torch.manual_seed(0)
     base = Budgeted(LookupGraft(Drafter()))
@@ -398,7 +399,7 @@ def test_grafts_are_offered_cut_to_what_their_depths_are_worth():
     the budget drafted 8-node grafts or none at 4 requests in float32 on a 2-core AMD EPYC, where 2-node grafts made
     1.3x plain and 8-node ones 1.2x."""
     from headstart.runtime.drafters.base import Drafter
-    from headstart.runtime.drafters.budgeted import GRAFT_PRIOR, GRAFT_SIZES
+    from headstart.runtime.sizing.budgeted import GRAFT_PRIOR, GRAFT_SIZES
 
     context = [3, 5, 7, 1, 2, 9, 9, 4, 6, 8, 3, 5]  # `3 5` found once: `7 1 2 9 9 4 6 8` follows (the default 8 nodes)
     drafter = Budgeted(LookupGraft(Drafter()))
@@ -424,9 +425,9 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     the grid (the curve offers trees of 1-6, 8, 10, 12 ... nodes: its 8th offer is the 10-node tree's). Its factor
     then scales each depth's accuracy: a request that accepted every node is offered deeper trees worth more than
     the traffic's, one that accepted none smaller ones, and neither a gain above its tree's nodes."""
-    from headstart.runtime.cost_curve import LiveSizer
-    from headstart.runtime.drafters.budgeted import GRID
     from headstart.runtime.drafters.eagle import EagleDrafter
+    from headstart.runtime.sizing.budgeted import GRID
+    from headstart.runtime.sizing.cost_curve import LiveSizer
     from helpers.exactness import random_heads, sampling_model
 
     model = sampling_model()
@@ -458,8 +459,8 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
 def started_eagle_lookup():
     """A Budgeted EAGLE+lookup fork on random heads with a live sizer (0.1 ms a pair of backlog), started on a
     prompt: (the EAGLE drafter, the fork, the prompt, the prompt's features)."""
-    from headstart.runtime.cost_curve import LiveSizer
     from headstart.runtime.drafters.eagle import EagleDrafter
+    from headstart.runtime.sizing.cost_curve import LiveSizer
     from helpers.exactness import random_heads, sampling_model
 
     model = sampling_model()
@@ -519,12 +520,12 @@ def test_sampling_sized_by_the_budget_follows_the_target(graft):
     rounds only; the cost model makes the allocation change with the batch (trees for some, plain for others).
     `suffix`: serve's default, EAGLE+suffix, every run's graft drafting from one suffix pool that every finished
     run enters (its drafts are earlier runs' samples), some rounds the pool's continuations alone."""
-    from headstart.runtime.cost_curve import LiveSizer
     from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.drafters.eagle import EagleDrafter
     from headstart.runtime.drafters.options import SuffixOptions
     from headstart.runtime.drafters.suffix import SuffixDrafter
     from headstart.runtime.sampling import SamplingParams
+    from headstart.runtime.sizing.cost_curve import LiveSizer
     from helpers.exactness import SAMPLING, first_three_joint, random_heads, sampling_model
     from helpers.stats import chi_square_pvalue
 

@@ -6,13 +6,19 @@ import copy
 import pytest
 import torch
 
-from headstart.runtime import cost_curve as curves
 from headstart.runtime import kernels, native
-from headstart.runtime.cost_curve import LiveSizer, choose_budget, cost_at, cost_curve, fit_factor, scale_accuracy
 from headstart.runtime.engine import Engine
 from headstart.runtime.generate import stream
+from headstart.runtime.sizing import cost_curve as curves
+from headstart.runtime.sizing.cost_curve import (
+    LiveSizer,
+    choose_budget,
+    cost_at,
+    cost_curve,
+    fit_factor,
+)
 from headstart.runtime.target import Target
-from headstart.runtime.tree import choose_tree_shape, expected_acceptance_length
+from headstart.runtime.tree import choose_tree_shape, expected_acceptance_length, scale_accuracy
 from helpers.models import tiny_llama
 
 # an EAGLE head's measured per-depth, per-rank accuracies (the shape of the shipped head's)
@@ -200,9 +206,9 @@ def test_engine_drafters_resize_from_what_they_accept(engine, tiny_drafters):
 
 @pytest.mark.parametrize("module", ["cost_curve", "batch_cost"])
 def test_the_measuring_commands_time_the_kernels_the_engine_chose(module, tmp_path, monkeypatch, capsys):
-    """`python -m headstart.runtime.cost_curve` / `.batch_cost` timed the default float32 kernels (MKL's) whatever
-    `choose_kernels` had chosen: on a 2-core AMD EPYC, where oneDNN's forward costs half of MKL's and the engine runs
-    oneDNN, both printed MKL's costs."""
+    """`python -m headstart.runtime.sizing.cost_curve` / `.batch_cost` timed the default float32 kernels (MKL's)
+    whatever `choose_kernels` had chosen: on a 2-core AMD EPYC, where oneDNN's forward costs half of MKL's and the
+    engine runs oneDNN, both printed MKL's costs."""
     import importlib
 
     monkeypatch.setenv("HEADSTART_NATIVE", "0")  # the stock kinds, one chosen by cost

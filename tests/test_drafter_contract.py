@@ -43,8 +43,8 @@ def test_sampling_follows_the_target(name, tiny_drafters):
 def test_sampling_follows_the_target_through_the_live_tree_sizer(tiny_drafters, tmp_path, monkeypatch):
     """The engine's live sizer resizes the sampled tree from the acceptance of past rounds, across the 3,000 runs
     (every 4 rounds here, not 64): the trees change size between runs and the joint is still the target's."""
-    from headstart.runtime.cost_curve import choose_budget
     from headstart.runtime.engine import Engine
+    from headstart.runtime.sizing.cost_curve import choose_budget
 
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))  # a cost curve measured for this tiny target
     model, tokenizer, options = tiny_drafters

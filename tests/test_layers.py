@@ -6,7 +6,7 @@ train/    may import heads and runtime
 headstart/ (cli.py and its subcommands, commands/), the composition root, is the only place outside train/ that
 imports train.
 runtime/apps/ (the server, the bench, the demo, the device check) runs on the runtime's core; the core never
-imports an app.
+imports an app. runtime/sizing/ sits above the drafters: no drafter imports it.
 No two files import each other, directly or around a loop (imports inside functions included).
 """
 
@@ -156,6 +156,17 @@ def test_the_runtime_core_imports_no_app():
     assert len(core) > 20 and any(m.startswith(apps + ".") for m in graph)
     reaching = {m: sorted(i for i in graph[m] if i == apps or i.startswith(apps + ".")) for m in core}
     assert not {m: apps_ for m, apps_ in reaching.items() if apps_}
+
+
+def test_the_drafters_never_import_sizing():
+    """runtime/sizing/ decides how large each tree is; the drafters (runtime/drafters/) draft what they are given and
+    say what a size is worth (`Drafter` and `Offer`), never reaching up into it."""
+    graph = import_graph()
+    drafters, sizing = "headstart.runtime.drafters", "headstart.runtime.sizing"
+    inside = [m for m in graph if m.startswith(drafters + ".")]
+    assert len(inside) > 5 and any(i.startswith(sizing + ".") for m in graph for i in graph[m])
+    reaching = {m: sorted(i for i in graph[m] if i == sizing or i.startswith(sizing + ".")) for m in inside}
+    assert not {m: found for m, found in reaching.items() if found}
 
 
 def test_no_import_loops():

@@ -274,7 +274,7 @@ def test_speculation_steps_aside_when_the_queue_fills(tiny_model_dir):
 
 
 def test_acceptance_gate_backs_off_and_probes_again():
-    from headstart.runtime.drafters.gate import AcceptanceGate
+    from headstart.runtime.sizing.gate import AcceptanceGate
 
     gate = AcceptanceGate(min_acceptance=1.5, window=4, backoff=3)
     for tokens in (1, 2, 1, 1):  # mean 1.25 < 1.5 over a full window
@@ -447,8 +447,8 @@ def test_the_budget_sizes_trees_by_load(tiny_model_dir, monkeypatch, curve):
     measured at start (here given): alone a request speculates on either curve; four at once decode plainly
     while they share the batch on a steep curve (a row costs 5 % of a forward) and keep speculating on a flat
     one. Every answer is its answer alone."""
-    from headstart.runtime.batch_cost import BatchCost
-    from headstart.runtime.drafters.budgeted import Budgeted
+    from headstart.runtime.sizing.batch_cost import BatchCost
+    from headstart.runtime.sizing.budgeted import Budgeted
 
     cost = {"steep": BatchCost.linear(10.0, 0.5, 0.0), "flat": BatchCost.linear(10.0, 0.001, 0.0)}[curve]
     monkeypatch.setattr("headstart.runtime.apps.server.worker.batch_cost", lambda target, cache: cost)

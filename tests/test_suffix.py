@@ -179,9 +179,9 @@ def test_the_pool_counts_its_lookups_hits_and_their_cost():
 def test_no_pool_is_the_requests_own_lookup_and_pool_of_finds_it_through_wrappers():
     """`pool_tokens` 0 (`--no-suffix-pool`): no pool, nothing kept, the request's own lookup branches alone.
     `pool_of` finds a drafter's pool through a graft, a budget and forks; a drafter without one has None."""
-    from headstart.runtime.drafters.budgeted import Budgeted
     from headstart.runtime.drafters.lookup import LookupDrafter
     from headstart.runtime.drafters.suffix import pool_of
+    from headstart.runtime.sizing.budgeted import Budgeted
 
     alone = SuffixDrafter(SuffixOptions(pool_tokens=0))
     context = [4, 5, 6, 7, 4, 5, 6]
@@ -270,8 +270,8 @@ def test_under_the_load_budget_a_confident_pool_offers_its_tree_alone():
     """Served with the load budget (`Budgeted`), a suffix graft whose pool would draft alone offers that tree alone
     (the pool's nodes, then the request's own lookup branches), worth what the pool expects of it; taken, the heads
     rest, the tree is that one cut to the plan, and the pool records how many of its nodes were accepted."""
-    from headstart.runtime.budget import Offer
-    from headstart.runtime.drafters.budgeted import Budgeted
+    from headstart.runtime.drafters.base import Offer
+    from headstart.runtime.sizing.budgeted import Budgeted
 
     pool = SuffixPool(1000)
     for _ in range(3):

@@ -133,8 +133,8 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     from headstart.runtime import background, prefix_cache
     from headstart.runtime.apps import bench, bench_report
-    from headstart.runtime.cost_curve import cpu_name
     from headstart.runtime.engine import Engine
+    from headstart.runtime.sizing.cost_curve import cpu_name
 
     common.check_lengths(args)
     try:
@@ -243,7 +243,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
 def _bench_batches(args, argv, engine, prompts, methods, batch_sizes, temperature, categories, options) -> int:
     """`--breakdown --batch-sizes`: the round's phases with B sequences together (runtime/apps/bench_batches.py)."""
     from headstart.runtime.apps.bench_batches import batch_breakdown, batches_markdown
-    from headstart.runtime.cost_curve import cpu_name
+    from headstart.runtime.sizing.cost_curve import cpu_name
 
     rows = batch_breakdown(
         engine, prompts, methods, batch_sizes, temperature, args.max_new_tokens, categories, args.seed, **options

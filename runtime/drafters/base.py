@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,6 +19,18 @@ from headstart.runtime.tree import DraftTree
 
 if TYPE_CHECKING:
     from headstart.runtime.drafters.together import Drafting
+
+
+class Offer(NamedTuple):
+    """A tree a sequence's drafter can draft this round, what it is worth and costs (a tuple: a batch's drafters make
+    hundreds a round); runtime/sizing decides which is drafted."""
+
+    nodes: int  # rows it adds beyond the root (an upper bound: the tree is cut to the width it is given)
+    gain: float  # expected draft nodes accepted (tokens beyond the target's own one)
+    draft_ms: float  # what drafting it alone costs
+    heads: int = 0  # nodes the drafter's own model drafts (the rest: grafted lookup branches)
+    graft: bool = False  # lookup branches grafted on
+    shared_ms: float = 0.0  # of draft_ms, what sequences drafting together pay once (their head forwards' weights)
 
 
 class Drafter:

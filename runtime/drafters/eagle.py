@@ -25,7 +25,7 @@ point mass. A dynamic tree cannot be sampled this way: keeping the likeliest dra
 which tokens are proposed. A sampled node gets children only when its path is at least `min_prob` likely
 under q (a function of the path alone: exact).
 
-With a `sizer` (`runtime.cost_curve.LiveSizer`, set by `Engine.make_drafter` for calibrated heads) the
+With a `sizer` (`runtime.sizing.cost_curve.LiveSizer`, set by `Engine.make_drafter` for calibrated heads) the
 drafter reports after every round how many of its own nodes were accepted (grafted lookup nodes not
 counted) and takes the budget, depth or sampled shape the sizer chooses from them (`resize`).
 
@@ -48,15 +48,13 @@ from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.masks import causal_after
 from headstart.heads.vocab import DraftReadout
 from headstart.runtime.attention import attend_with_grouped_sdpa
-from headstart.runtime.budget import Offer
-from headstart.runtime.cost_curve import LiveSizer, TreeChoice, scale_accuracy
-from headstart.runtime.drafters.base import SamplingDrafter
+from headstart.runtime.drafters.base import Offer, SamplingDrafter
 from headstart.runtime.drafters.native_head import HeadCache, NativeHead
 from headstart.runtime.drafters.options import EagleOptions
 from headstart.runtime.drafters.together import Drafting, HeadStep, drive
 from headstart.runtime.kernels import head_dtypes, prepack_like_target
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.tree import DraftTree, ShapeSampler, TreeGrower, choose_tree_shape
+from headstart.runtime.tree import DraftTree, ShapeSampler, TreeChoice, TreeGrower, choose_tree_shape, scale_accuracy
 
 OFFERED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # the tree sizes `offers` offers (the budget's choice)
 
@@ -101,7 +99,7 @@ class EagleDrafter(SamplingDrafter):
         self._root_feature: torch.Tensor | None = None  # (H,) predicted feature at the root's position
         self._pending: list[tuple[torch.Tensor, list[int]]] = []  # committed pairs not yet in the cache
         self._backlog = 0  # of them, the rounds' (the prompt's are not counted: `backlog`)
-        self.sizer: LiveSizer | None = None
+        self.sizer = None  # a runtime.sizing.cost_curve.LiveSizer (drafters never import sizing)
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
         self._sized: tuple[tuple[int, ...], ...] | None = None  # the static shape `size` gave (None: the sizer's)
         self._curve: tuple[list[tuple[int, ...]], list[Offer]] = ([], [])  # the last `offers`' (shape, offers)
@@ -123,10 +121,10 @@ class EagleDrafter(SamplingDrafter):
 
     def offers(self, max_nodes: int, factor: float = 1.0) -> list[Offer]:
         """The trees of 1..`max_nodes` nodes this drafter can draft now, each the best of its size
-        (`runtime/budget.py`): node k of the best static tree (`choose_tree_shape`) under the sizer's accuracies,
-        as live traffic corrected them and times `factor` (a request's own correction), survives with the product
-        of its path's accuracies; drafting costs the sizer's measured ms per depth (its measured shared part paid
-        once by the sequences drafting together). [] without a sizer (heads with no calibrated accuracies)."""
+        (`runtime/sizing/planner.py`): node k of the best static tree (`choose_tree_shape`) under the sizer's
+        accuracies, as live traffic corrected them and times `factor` (a request's own correction), survives with the
+        product of its path's accuracies; drafting costs the sizer's measured ms per depth (its measured shared part
+        paid once by the sequences drafting together). [] without a sizer (heads with no calibrated accuracies)."""
         s = self.sizer
         if s is None:
             return []

@@ -42,9 +42,9 @@ import httpx
 
 from headstart.runtime.apps.bench_report import replace_section
 from headstart.runtime.background import paused
-from headstart.runtime.cost_curve import cpu_name
 from headstart.runtime.kernels import available_bytes
 from headstart.runtime.models import resolve_model_dir
+from headstart.runtime.sizing.cost_curve import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[2]

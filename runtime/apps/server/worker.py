@@ -8,10 +8,10 @@ its queue slot back at once. When the worker thread dies, every job still waitin
 and new ones are refused (`WorkerDeadError`): the server answers 503.
 
 Speculation: each job drafts with its own fork of the engine's drafter (heads shared, state its own) and every
-job's tree is verified in the one batched forward. Before each round the budget (`runtime/budget.py`) gives each
+job's tree is verified in the one batched forward. Before each round the budget (`runtime/sizing/planner.py`) gives each
 job the tree nodes that make the most tokens per second for the batch as it is (none when the batch fills the
 machine, the batch-1 tree when it empties), from a cost model of the batched forward measured at start
-(`runtime/batch_cost.py`). Explicit switches replace it: at most `speculate_up_to` decoding jobs draft their
+(`runtime/sizing/batch_cost.py`). Explicit switches replace it: at most `speculate_up_to` decoding jobs draft their
 whole trees, or the queue's depth or the acceptance seen turns speculation off. Each job has its own sampling,
 seed, stop strings, limits and statistics.
 """
@@ -27,16 +27,16 @@ import traceback
 from dataclasses import dataclass, field
 
 from headstart.runtime.apps.server.metrics import ServerMetrics
-from headstart.runtime.batch_cost import batch_cost
-from headstart.runtime.budget import Planner
 from headstart.runtime.drafters.base import Drafter
-from headstart.runtime.drafters.budgeted import Budgeted
-from headstart.runtime.drafters.gate import AcceptanceGate, GatedDrafter
 from headstart.runtime.engine import Engine, RequestText
 from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
 from headstart.runtime.paths import cache_dir
 from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.sizing.batch_cost import batch_cost
+from headstart.runtime.sizing.budgeted import Budgeted
+from headstart.runtime.sizing.gate import AcceptanceGate, GatedDrafter
+from headstart.runtime.sizing.planner import Planner
 
 
 class QueueFullError(Exception):
@@ -77,7 +77,7 @@ class Worker:
     `step_aside_queue`: the drafter proposes nothing while more requests than this wait (None: never);
     `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this;
     `speculate_up_to`: the jobs decoding at once up to which each drafts its tree (0: never). Without any of these
-    three switches every job's tree is sized each round by the budget (`runtime/budget.py`), measured at start.
+    three switches every job's tree is sized each round by the budget (`runtime/sizing/planner.py`), measured at start.
     `prefix_cache`: finished prompts' keys and values, copied into the jobs that start the same way (None: none)."""
 
     def __init__(
@@ -113,7 +113,7 @@ class Worker:
         prefix = engine.chat_prefix()
         self.batch = Batch(engine.target, prefill_chunk, kv_budget, prefix, planner, prefix_cache=prefix_cache)
         self.running: list[Job] = []
-        if budgeted:  # each job's tree sized every round by the budget (runtime/budget.py)
+        if budgeted:  # each job's tree sized every round by the budget (runtime/sizing/planner.py)
             self.drafter: Drafter = Budgeted(engine.drafter)
         else:  # the switches: plain while more than `speculate_up_to` decode, or the queue or acceptance says so
             gate = AcceptanceGate(min_acceptance) if min_acceptance else None

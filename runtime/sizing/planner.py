@@ -1,13 +1,13 @@
 """Speculation sized by load: each round, the tree nodes every live sequence verifies (0: a plain step for it).
 
 Speculation and batching spend the same idle compute. A round of B sequences at width w (the widest tree) costs
-the batched forward (`runtime/batch_cost.py`: a base at that width, as attention reads every sequence's rows
+the batched forward (`runtime/sizing/batch_cost.py`: a base at that width, as attention reads every sequence's rows
 padded to it, plus each draft node's own row where the rows are packed; padded rows cost every sequence w + 1
 rows and a node nothing more) plus the drafting of the sequences that draft; it commits B tokens plus the draft
 nodes that survive. Each sequence's drafter
 makes its *offers* (`Offer`: nodes, the expected surviving nodes, the drafting ms) from what it knows: the heads'
 calibrated per-depth accuracies corrected by the acceptance this request got so far, lookup branches by their
-measured hit rate (runtime/drafters/budgeted.py). `allocate` picks the width and each sequence's offer that
+measured hit rate (runtime/sizing/budgeted.py). `allocate` picks the width and each sequence's offer that
 maximise the round's expected committed tokens per ms:
 
     max over w, and offers o_i with o_i.nodes <= w (or none):
@@ -36,20 +36,10 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from headstart.runtime.batch_cost import BatchCost
+from headstart.runtime.drafters.base import Offer
+from headstart.runtime.sizing.batch_cost import BatchCost
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)  # the widths a round may pad to
-
-
-class Offer(NamedTuple):
-    """A tree a sequence's drafter can draft this round (a tuple: a batch's drafters make hundreds a round)."""
-
-    nodes: int  # rows it adds beyond the root (an upper bound: the tree is cut to the width it is given)
-    gain: float  # expected draft nodes accepted (tokens beyond the target's own one)
-    draft_ms: float  # what drafting it alone costs
-    heads: int = 0  # nodes the drafter's own model drafts (the rest: grafted lookup branches)
-    graft: bool = False  # lookup branches grafted on
-    shared_ms: float = 0.0  # of draft_ms, what sequences drafting together pay once (their head forwards' weights)
 
 
 class Price(NamedTuple):
@@ -160,7 +150,7 @@ def expected_rate(picks: Sequence[Offer | None], longest: int, cost: BatchCost, 
 
 
 class Sized(Protocol):
-    """A drafter the budget sizes (runtime/drafters/budgeted.py)."""
+    """A drafter the budget sizes (runtime/sizing/budgeted.py)."""
 
     def offers(self, context: list[int], price: Price | None = None) -> list[Offer]: ...
 

@@ -1,5 +1,5 @@
 """The cost of one batched verify forward, as a model measured on this machine: what the budget spends
-(`runtime/budget.py`).
+(`runtime/sizing/planner.py`).
 
 A forward over B sequences at width w (draft nodes, the widest tree's) feeds R = B * (w + 1) rows when they are
 padded to the widest tree, and each row attends the keys of its own sequence, about K = the longest cached
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from headstart.runtime.cost_curve import _cached, _key, cost_at
+from headstart.runtime.sizing.cost_curve import _cached, _key, cost_at
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 
@@ -202,13 +202,14 @@ def batch_cost(target: Target, cache: Path | None) -> BatchCost:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m headstart.runtime.batch_cost [--model M] [--dtype D]`: the batched cost model measured now (not read
-    from the cache), each grid point beside what the fit says. Background jobs are paused while it measures."""
+    """`python -m headstart.runtime.sizing.batch_cost [--model M] [--dtype D]`: the batched cost model measured now
+    (not read from the cache), each grid point beside what the fit says. Background jobs are paused while it
+    measures."""
     import argparse
 
     from headstart.runtime import background
-    from headstart.runtime.cost_curve import calibrated_target, cpu_name
     from headstart.runtime.models import DEFAULT_MODEL, DTYPES, load_model
+    from headstart.runtime.sizing.cost_curve import calibrated_target, cpu_name
 
     p = argparse.ArgumentParser(description="the batched verify forward's cost model, measured on this machine")
     p.add_argument("--model", default=DEFAULT_MODEL)

@@ -1,5 +1,5 @@
 """A sequence's drafter under the server's budget: it offers trees of several sizes, then drafts the one the
-round's plan gave it (`runtime/budget.py` chooses; a plan of None is a plain step).
+round's plan gave it (`runtime/sizing/planner.py` chooses; a plan of None is a plain step).
 
 What each offer is worth comes from the drafter's own evidence:
 - heads with calibrated accuracies (EAGLE's, `EagleDrafter.offers`): the curve of the best static tree, node by
@@ -33,13 +33,13 @@ import time
 import numpy as np
 import torch
 
-from headstart.runtime.budget import Offer, Price
-from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.base import Drafter, Offer
 from headstart.runtime.drafters.eagle import EagleDrafter
 from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.lookup import build_trie
 from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.sizing.planner import Price
 from headstart.runtime.tree import DraftTree
 
 MAX_NODES = 32  # the largest heads' tree offered

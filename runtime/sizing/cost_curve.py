@@ -24,7 +24,6 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,12 +33,18 @@ from headstart.runtime import native
 from headstart.runtime.kernels import FP32_KINDS, fp32_kinds
 from headstart.runtime.paths import cache_dir
 from headstart.runtime.target import Target
-from headstart.runtime.tree import DraftTree, choose_tree_shape, expected_acceptance_length
+from headstart.runtime.tree import (
+    DraftTree,
+    Shape,
+    TreeChoice,
+    choose_tree_shape,
+    expected_acceptance_length,
+    scale_accuracy,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-Shape = tuple[tuple[int, ...], ...]  # a static tree: paths of ranks, parents first (`choose_tree_shape`)
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # row counts timed (root + nodes)
 PAST = 256  # cached tokens while timing (a typical chat prompt)
@@ -136,7 +141,7 @@ def choose_kernels(target: Target, cache: Path | None) -> str:
 def calibrated_target(model: PreTrainedModel, fast: bool | None = None, slots: int = 1) -> Target:
     """`Target(model, fast, slots)` on the kernels measured cheapest here (`choose_kernels`, the choice cached under
     `~/.cache/headstart/costs`): the engine's target, and the one the measuring commands (`python -m
-    headstart.runtime.cost_curve`, `... .batch_cost`) time, so they print the kernels the engine runs."""
+    headstart.runtime.sizing.cost_curve`, `... .batch_cost`) time, so they print the kernels the engine runs."""
     target = Target(model, fast=fast, slots=slots)
     choose_kernels(target, cache_dir() / "costs")
     return target
@@ -172,20 +177,6 @@ def cost_at(curve: dict[int, float], rows: int) -> float:
     return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
 
 
-@dataclass(frozen=True)
-class TreeChoice:
-    budget: int  # draft nodes
-    depth: int  # the deepest path of the best tree of that budget
-    expected_tokens: float  # per round (expected acceptance length)
-    round_ms: float  # forward over budget + 1 rows + drafting
-    plain_ms: float  # a forward over one row
-    shape: Shape = ()  # the best static tree of `budget` nodes (what a sampled tree draws)
-
-    @property
-    def expected_speedup(self) -> float:
-        return self.expected_tokens / self.round_ms * self.plain_ms
-
-
 def choose_budget(
     curve: dict[int, float],
     rank_accuracy: list[list[float]],
@@ -209,12 +200,6 @@ def choose_budget(
     if best is None:
         raise ValueError("no tree: the heads' rank accuracies are all zero")
     return best
-
-
-def scale_accuracy(rank_accuracy: list[list[float]], factor: float) -> list[list[float]]:
-    """Every probability times `factor`, a depth's ranks together never above 1 (scaled back to sum 1)."""
-    rows = [[a * factor for a in row] for row in rank_accuracy]
-    return [[a / max(sum(row), 1.0) for a in row] for row in rows]
 
 
 def fit_factor(
@@ -297,8 +282,8 @@ class LiveSizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m headstart.runtime.cost_curve [--model M] [--dtype D]`: the target's cost curve measured now (not
-    read from the cache), printed as ms and as a multiple of one row: what "several positions cost about as much
+    """`python -m headstart.runtime.sizing.cost_curve [--model M] [--dtype D]`: the target's cost curve measured now
+    (not read from the cache), printed as ms and as a multiple of one row: what "several positions cost about as much
     as one" means on this machine. Background jobs are paused while it measures."""
     import argparse
 
