@@ -218,5 +218,5 @@ def test_the_measuring_commands_time_the_kernels_the_engine_chose(module, tmp_pa
     monkeypatch.setattr(models, "load_model", lambda name, dtype: (tiny_llama(vocab_size=64), None))
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
     monkeypatch.setattr(curves, "_time_fp32_kernels", lambda target: {"mkl": 2.0, "onednn": 1.0})
-    assert importlib.import_module(f"headstart.runtime.{module}").main(["--dtype", "float32"]) == 0
+    assert importlib.import_module(f"headstart.runtime.sizing.{module}").main(["--dtype", "float32"]) == 0
     assert "kernels onednn" in capsys.readouterr().out
