@@ -152,3 +152,29 @@ def test_library_errors_name_options_and_the_command_line_names_flags(tiny_model
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--drafter", "model"]) == 2
     err = capsys.readouterr().err
     assert "needs --draft-model" in err and "`" not in err.splitlines()[-1]
+
+
+def test_generate_demo_bench_and_serve_share_one_default_drafter(tiny_model_dir, monkeypatch):
+    """No --drafter: every command decodes with `common.default_drafter` (eagle+suffix where heads ship, plain for a
+    model without shipped heads or with an adapter); bench's default methods add it beside plain."""
+    from headstart.cli import build_parser
+    from headstart.commands import common
+
+    assert common.default_drafter("smollm2-135m-instruct") == common.DEFAULT_DRAFTER == "eagle+suffix"
+    assert common.default_drafter("smollm2-135m-instruct", adapter="some/lora") == "none"
+    assert common.default_drafter(str(tiny_model_dir)) == "none"
+    parser = build_parser()
+    for command in ("generate --prompt hi", "demo", "serve"):
+        assert parser.parse_args(command.split()).drafter is None, command  # resolved by default_drafter at run time
+    assert parser.parse_args(["bench"]).methods is None
+    from headstart.runtime.engine import Engine
+
+    class Loaded:
+        adapter = None
+
+    seen = []
+    load = classmethod(lambda cls, model, dtype, drafter, *a, **k: seen.append(drafter) or Loaded())
+    monkeypatch.setattr(Engine, "load", load)
+    common.load_engine(parser.parse_args(["generate", "--prompt", "hi"]))  # generate and serve load their engine so
+    common.load_engine(parser.parse_args(["generate", "--prompt", "hi", "--model", str(tiny_model_dir)]))
+    assert seen == ["eagle+suffix", "none"]

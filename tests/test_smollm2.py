@@ -106,7 +106,7 @@ def test_demo_with_shipped_heads_is_identical(capsys):
     """`headstart demo` (the README's first command), shortened: every answer identical to plain decoding."""
     from headstart.cli import main
 
-    assert main(["demo", "--max-new-tokens", "32"]) == 0  # the default drafter: eagle+lookup
+    assert main(["demo", "--max-new-tokens", "32"]) == 0  # the default drafter (commands/common.DEFAULT_DRAFTER)
     out = capsys.readouterr().out
     assert "=== overall: 3/3 identical" in out, out[-600:]
 

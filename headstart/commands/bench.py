@@ -34,8 +34,9 @@ def add_parsers(sub) -> None:
     )
     b.add_argument(
         "--methods",
-        default="plain,hf,lookup",
-        help="comma list: plain, hf, hf-lookup (transformers' generate) and drafter specs: "
+        default=None,
+        help=f"comma list (default plain,hf,lookup and {common.DEFAULT_DRAFTER_HELP}): plain, hf, hf-lookup "
+        "(transformers' generate) and drafter specs: "
         f"{', '.join(names())}; NAME:VALUE variants such as medusa:16, layerskip:8, model:PATH",
     )
     for kind in OLD_HEADS_FLAGS:  # refused in one line naming the new form (cmd_bench)
@@ -173,6 +174,9 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         prompts = common.bench_prompts(args.prompts)
     categories = set(args.categories.split(",")) if args.categories else None
+    if args.methods is None:
+        default = common.default_drafter(args.model, args.adapter)
+        args.methods = "plain,hf,lookup" + ("" if default == "none" else f",{default}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     options = common.flag_values(args, [k for k in common.FLAGS if k not in ("heads", "budget")])
     for kind in OLD_HEADS_FLAGS:

@@ -7,7 +7,6 @@ import json
 import sys
 
 from headstart.commands import common
-from headstart.runtime.apps.demo import DEFAULT_DRAFTER
 from headstart.runtime.drafters.registry import names, parse_spec
 from headstart.runtime.prompts import Prompt, load_prompts
 
@@ -37,10 +36,10 @@ def add_parsers(sub) -> None:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument(
         "--drafter",
-        default=DEFAULT_DRAFTER,
+        default=None,
         metavar="SPEC",
         help=f"the speculative side: {', '.join(names())} (trained ones use the heads shipped for "
-        f"--model; default {DEFAULT_DRAFTER})",
+        f"--model; default {common.DEFAULT_DRAFTER_HELP})",
     )
     common.add_profile_arg(d)
     d.set_defaults(run=cmd_demo)
@@ -83,6 +82,8 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.runtime.apps.demo import run_demo
 
+    if args.drafter is None:
+        args.drafter = common.default_drafter(args.model)
     parse_spec(args.drafter)
     return run_demo(
         args.model, args.dtype, args.device, args.max_new_tokens, args.drafter, args.profile, not args.no_prepack

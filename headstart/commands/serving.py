@@ -22,7 +22,7 @@ def add_parsers(sub) -> None:
     common.add_model_args(sv, "auto")
     common.add_prepack_arg(sv)
     common.add_adapter_args(sv)
-    common.add_drafter_args(sv, None, f"{SERVE_DRAFTER} for a model with shipped EAGLE heads, else none")
+    common.add_drafter_args(sv)
     sv.add_argument(
         "--served-model-name",
         default=None,
@@ -120,20 +120,6 @@ def served_name(model: str, given: str | None) -> str:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-SERVE_DRAFTER = "eagle+suffix"  # serve's default where heads are shipped: sized by the load budget (docs/tuning.md)
-
-
-def default_drafter(model: str, adapter: str | None) -> str:
-    """What `headstart serve` decodes with when no --drafter is given: the shipped EAGLE head with the branches of
-    the request's own prompt and of the server's finished requests (the suffix pool; served at one client, bf16:
-    1.27x eagle+lookup on the agent workload, 1.32x on extraction, 0.99x on held-out chat, which does not repeat;
-    eagle+lookup: 1.5x plain at one client, ~1.0x from 8, docs/benchmarks.md), plain for a model without shipped
-    heads or with an adapter (the heads were trained on the base)."""
-    from headstart.heads.checkpoint import shipped_heads
-
-    return SERVE_DRAFTER if adapter is None and shipped_heads(model, "eagle") is not None else "none"
-
-
 def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     import uvicorn
@@ -186,7 +172,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
             file=sys.stderr,
         )
     if args.drafter is None:
-        args.drafter = default_drafter(args.model, args.adapter)
+        args.drafter = common.default_drafter(args.model, args.adapter)
     if args.no_suffix_pool:
         if "pool_tokens" not in option_names(args.drafter):
             raise common.UserError(f"--no-suffix-pool: --drafter {args.drafter} keeps no pool (suffix, X+suffix do)")

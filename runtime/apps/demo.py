@@ -11,13 +11,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the CLI reads DEFAULT_DRAFTER without loading torch
+if TYPE_CHECKING:
     from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.engine import Engine
-
-# The shipped EAGLE head's tree with prompt-lookup branches grafted on: of the drafters that use the
-# shipped heads, the fastest on held-out prompts (docs/tuning.md).
-DEFAULT_DRAFTER = "eagle+lookup"
 
 PROMPTS = [
     "Correct the spelling mistakes in this paragraph and write it out in full: 'Speculativ decoding lets a "
@@ -62,7 +58,7 @@ def run_demo(
     dtype: str,
     device: str,
     max_new_tokens: int,
-    drafter: str = DEFAULT_DRAFTER,
+    drafter: str,
     profile: str | None = None,
     prepack: bool = True,
 ) -> int:
