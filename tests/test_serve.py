@@ -451,7 +451,7 @@ def test_the_budget_sizes_trees_by_load(tiny_model_dir, monkeypatch, curve):
     from headstart.runtime.sizing.budgeted import Budgeted
 
     cost = {"steep": BatchCost.linear(10.0, 0.5, 0.0), "flat": BatchCost.linear(10.0, 0.001, 0.0)}[curve]
-    monkeypatch.setattr("headstart.runtime.apps.server.worker.batch_cost", lambda target, cache: cost)
+    monkeypatch.setattr("headstart.runtime.sizing.batch_cost.batch_cost", lambda target, cache: cost)
     engine = tiny_engine(tiny_model_dir, "lookup")
     engine.eos_ids = frozenset()
     live = LiveServer(engine, max_batch=4)
@@ -711,3 +711,27 @@ def test_a_model_without_a_chat_template_serves_completions(tiny_model_dir):
         assert httpx.post(live.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 400
     finally:
         live.close()
+
+
+def test_the_speculation_policy_is_chosen_by_name(tiny_model_dir):
+    """runtime/sizing/policy.py builds what the worker runs: budget (the load planner) by default, fixed when a switch
+    is given, off (plain) by name or for the drafter none; a switch beside budget or off is refused, before the model
+    loads on the command line."""
+    from headstart.runtime.drafters.base import Drafter
+    from headstart.runtime.sizing.budgeted import Budgeted
+    from headstart.runtime.sizing.gate import GatedDrafter
+
+    engine = tiny_engine(tiny_model_dir, "lookup")
+    for config, policy, drafter, planned in (
+        ({}, "budget", Budgeted, True),
+        ({"speculate_up_to": 2}, "fixed", GatedDrafter, False),
+        ({"speculation": "fixed"}, "fixed", GatedDrafter, False),
+        ({"speculation": "off"}, "off", Drafter, False),
+    ):
+        worker = build_app(engine, ServeConfig(NAME, **config), worker_thread=False).state.worker
+        assert worker.policy == policy and type(worker.drafter) is drafter, config
+        assert (worker.batch.planner is not None) == planned, config
+    plain = build_app(tiny_engine(tiny_model_dir, "none"), ServeConfig(NAME), worker_thread=False).state.worker
+    assert plain.policy == "off"
+    argv = ["serve", "--model", str(tiny_model_dir), "--speculation", "budget", "--speculate-up-to", "2"]
+    assert main(argv) == 2  # one line, no model loaded

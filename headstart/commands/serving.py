@@ -15,6 +15,7 @@ from pathlib import Path
 from headstart.commands import common
 from headstart.runtime.drafters.registry import option_names
 from headstart.runtime.prompts import load_prompts
+from headstart.runtime.sizing.policy import POLICIES, Switches, policy_name
 
 
 def add_parsers(sub) -> None:
@@ -62,6 +63,13 @@ def add_parsers(sub) -> None:
         choices=("none", "summary"),
         default=None,
         help="summary: each answer carries its acceptance in `metrics.speculative_decoding`, as vLLM's (default none)",
+    )
+    sv.add_argument(
+        "--speculation",
+        choices=POLICIES,
+        default=None,
+        help="budget: every round's trees sized by load (the default); fixed: each request's own tree, off under the "
+        "switches below (the default when one is given); off: plain decoding",
     )
     sv.add_argument(
         "--speculate-up-to",
@@ -155,6 +163,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         "prefix_cache_gb": args.prefix_cache_gb,
         "prefill_chunk": args.prefill_chunk,
         "speculate_up_to": args.speculate_up_to,
+        "speculation": args.speculation,
         "per_request_spec_decode_metrics": args.per_request_spec_decode_metrics,
     }
     if args.max_body_mb is not None:
@@ -173,6 +182,10 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         )
     if args.drafter is None:
         args.drafter = common.default_drafter(args.model, args.adapter)
+    try:  # the policy and its switches agree (runtime/sizing/policy.py), before the model loads
+        policy_name(args.speculation, Switches(args.speculate_up_to, args.step_aside_queue, args.min_acceptance), "")
+    except ValueError as e:
+        raise common.UserError(str(e)) from None
     if args.no_suffix_pool:
         if "pool_tokens" not in option_names(args.drafter):
             raise common.UserError(f"--no-suffix-pool: --drafter {args.drafter} keeps no pool (suffix, X+suffix do)")

@@ -41,6 +41,7 @@ class ServeConfig:
     speculate_up_to: int | None = (
         None  # a switch: up to this many decoding requests draft (None: the budget sizes trees)
     )
+    speculation: str | None = None  # budget, fixed or off (runtime/sizing/policy.py; None: by the switches given)
 
 
 class Completions:
@@ -63,6 +64,7 @@ class Completions:
             config.prefill_chunk,
             speculate_up_to=config.speculate_up_to,
             prefix_cache=prefix_cache,
+            speculation=config.speculation,
         )
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the worker decodes with its own; a fast one is not shared
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="headstart-encode")

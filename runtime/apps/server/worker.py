@@ -7,13 +7,13 @@ out of time between rounds, so its slot is free again within one round; a job ca
 its queue slot back at once. When the worker thread dies, every job still waiting or decoding gets an error
 and new ones are refused (`WorkerDeadError`): the server answers 503.
 
-Speculation: each job drafts with its own fork of the engine's drafter (heads shared, state its own) and every
-job's tree is verified in the one batched forward. Before each round the budget (`runtime/sizing/planner.py`) gives each
-job the tree nodes that make the most tokens per second for the batch as it is (none when the batch fills the
-machine, the batch-1 tree when it empties), from a cost model of the batched forward measured at start
-(`runtime/sizing/batch_cost.py`). Explicit switches replace it: at most `speculate_up_to` decoding jobs draft their
-whole trees, or the queue's depth or the acceptance seen turns speculation off. Each job has its own sampling,
-seed, stop strings, limits and statistics.
+Speculation: each job drafts with its own fork of the drafter its speculation policy gives (runtime/sizing/policy.py,
+built there: the worker only runs it), and every job's tree is verified in the one batched forward. By default (the
+`budget` policy) the load planner gives each job, before each round, the tree nodes that make the most tokens per
+second for the batch as it is (none when the batch fills the machine, the batch-1 tree when it empties), from a cost
+model of the batched forward measured at start; `fixed` lets each job draft its own tree under the switches
+(`speculate_up_to` decoding jobs, the queue's depth, the acceptance seen); `off` decodes plainly. Each job has its
+own sampling, seed, stop strings, limits and statistics.
 """
 
 from __future__ import annotations
@@ -27,16 +27,11 @@ import traceback
 from dataclasses import dataclass, field
 
 from headstart.runtime.apps.server.metrics import ServerMetrics
-from headstart.runtime.drafters.base import Drafter
 from headstart.runtime.engine import Engine, RequestText
 from headstart.runtime.generate import Batch, GenerationStats, Request, kv_bytes
-from headstart.runtime.paths import cache_dir
 from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.sizing.batch_cost import batch_cost
-from headstart.runtime.sizing.budgeted import Budgeted
-from headstart.runtime.sizing.gate import AcceptanceGate, GatedDrafter
-from headstart.runtime.sizing.planner import Planner
+from headstart.runtime.sizing.policy import Switches, build_policy, policy_name
 
 
 class QueueFullError(Exception):
@@ -76,9 +71,10 @@ class Worker:
     prompt tokens prefilled a round while others decode (None: `generate.PREFILL_CHUNK`);
     `step_aside_queue`: the drafter proposes nothing while more requests than this wait (None: never);
     `min_acceptance`: decode plainly for a while when recent rounds accept fewer tokens than this;
-    `speculate_up_to`: the jobs decoding at once up to which each drafts its tree (0: never). Without any of these
-    three switches every job's tree is sized each round by the budget (`runtime/sizing/planner.py`), measured at start.
-    `prefix_cache`: finished prompts' keys and values, copied into the jobs that start the same way (None: none)."""
+    `speculate_up_to`: the jobs decoding at once up to which each drafts its tree (0: never); `speculation`: the
+    policy by name (runtime/sizing/policy.py; None: `budget`, every job's tree sized each round by the load planner,
+    or `fixed` where one of the three switches is given). `prefix_cache`: finished prompts' keys and values, copied
+    into the jobs that start the same way (None: none)."""
 
     def __init__(
         self,
@@ -93,6 +89,7 @@ class Worker:
         prefill_chunk: int | None = None,
         speculate_up_to: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        speculation: str | None = None,
     ) -> None:
         self.engine, self.metrics, self.time_limit_s, self.max_queue = engine, metrics, time_limit_s, max_queue
         self.max_batch = max_batch
@@ -107,25 +104,14 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting: set[int] = set()  # ids of submitted jobs not yet started nor cancelled
         self.lock = threading.Lock()
-        switch = speculate_up_to is not None or step_aside_queue is not None or min_acceptance is not None
-        budgeted = not switch and engine.drafter.name != "none"
-        planner = Planner(batch_cost(engine.target, cache_dir() / "costs")) if budgeted else None
+        switches = Switches(speculate_up_to, step_aside_queue, min_acceptance)
+        self.policy = policy_name(speculation, switches, engine.drafter.name)
+        planner, self.drafter = build_policy(  # each job decodes with a fork of the drafter
+            self.policy, engine, switches, lambda: len(self.batch.decoding), lambda: self.queue_depth, max_batch
+        )
         prefix = engine.chat_prefix()
         self.batch = Batch(engine.target, prefill_chunk, kv_budget, prefix, planner, prefix_cache=prefix_cache)
         self.running: list[Job] = []
-        if budgeted:  # each job's tree sized every round by the budget (runtime/sizing/planner.py)
-            self.drafter: Drafter = Budgeted(engine.drafter)
-        else:  # the switches: plain while more than `speculate_up_to` decode, or the queue or acceptance says so
-            gate = AcceptanceGate(min_acceptance) if min_acceptance else None
-            queue_ok = (
-                (lambda: self.queue_depth <= step_aside_queue) if step_aside_queue is not None else (lambda: True)
-            )
-            up_to = speculate_up_to if speculate_up_to is not None else max_batch
-
-            def speculate() -> bool:
-                return len(self.batch.decoding) <= up_to and queue_ok()
-
-            self.drafter = GatedDrafter(engine.drafter, speculate, gate)  # each job decodes with a fork of it
         self.thread = threading.Thread(target=self._run, name="headstart-worker", daemon=True)
         self.stopping = False
         self.stopped = False  # the loop has ended (`serve` returns on the caller's thread, which lives on)

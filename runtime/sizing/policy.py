@@ -1,0 +1,78 @@
+"""How a server's rounds speculate, by name: the policy built here, the worker only runs it.
+
+    budget   each round, every request's tree sized by the load planner (`planner.py`) over the batched forward's
+             measured cost (`batch_cost.py`): the batch-1 tree when the batch is empty, none when it fills the machine
+    fixed    every request drafts its drafter's own tree, turned off by the switches: more than `speculate_up_to`
+             requests decoding, more than `step_aside_queue` waiting, recent acceptance under `min_acceptance`
+    off      plain decoding
+
+The default: `budget`, `fixed` when a switch is given, `off` for the drafter `none`. Imports no torch until a policy
+is built (the CLI checks a policy's name and switches before it loads a model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from headstart.runtime.drafters.base import Drafter
+    from headstart.runtime.sizing.planner import Planner
+
+POLICIES = ("budget", "fixed", "off")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """What turns a `fixed` policy's speculation off (None: never)."""
+
+    speculate_up_to: int | None = None  # requests decoding at once up to which each drafts (0: never)
+    step_aside_queue: int | None = None  # requests waiting beyond which every one decodes plainly
+    min_acceptance: float | None = None  # recent tokens a round under which a request decodes plainly a while
+
+    def given(self) -> list[str]:
+        return [k for k, v in vars(self).items() if v is not None]
+
+
+def policy_name(policy: str | None, switches: Switches, drafter: str) -> str:
+    """The policy a server with the drafter named `drafter` runs: `policy` (checked against the switches), else the
+    default (module docstring)."""
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"speculation policy {policy!r}: one of {', '.join(POLICIES)}")
+    if policy in ("budget", "off") and switches.given():
+        raise ValueError(f"the switches ({', '.join(switches.given())}) belong to the fixed policy, not {policy}")
+    if policy is None:
+        policy = "fixed" if switches.given() else "budget"
+    return "off" if drafter == "none" else policy
+
+
+def build_policy(
+    policy: str,
+    engine,
+    switches: Switches,
+    decoding: Callable[[], int],
+    waiting: Callable[[], int],
+    max_batch: int,
+) -> tuple[Planner | None, Drafter]:
+    """(the planner of the decode loop, or None; the drafter each request forks) for `policy` (`policy_name`'s) over
+    `engine`'s target and drafter; `decoding` and `waiting` count the requests decoding and queued now."""
+    from headstart.runtime.drafters.base import Drafter
+    from headstart.runtime.paths import cache_dir
+    from headstart.runtime.sizing.batch_cost import batch_cost
+    from headstart.runtime.sizing.budgeted import Budgeted
+    from headstart.runtime.sizing.gate import AcceptanceGate, GatedDrafter
+    from headstart.runtime.sizing.planner import Planner
+
+    if policy == "off":  # the drafter none as it is (it drafts nothing), another replaced by none
+        return None, engine.drafter if engine.drafter.name == "none" else Drafter()
+    if policy == "budget":
+        return Planner(batch_cost(engine.target, cache_dir() / "costs")), Budgeted(engine.drafter)
+    gate = AcceptanceGate(switches.min_acceptance) if switches.min_acceptance else None
+    up_to = switches.speculate_up_to if switches.speculate_up_to is not None else max_batch
+    aside = switches.step_aside_queue
+
+    def speculate() -> bool:
+        return decoding() <= up_to and (aside is None or waiting() <= aside)
+
+    return None, GatedDrafter(engine.drafter, speculate, gate)
