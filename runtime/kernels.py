@@ -129,8 +129,10 @@ def head_dtypes(choice: str, target_weight: torch.Tensor) -> tuple[torch.dtype, 
     step is bound by reading the head's weights (an EAGLE-3 head for SmolLM2-135M: 37 MB in float32, ~2.5 ms a step
     on a 2-core Xeon), the head was trained under bfloat16 autocast, and a greedy decode's tokens are the target's
     whatever the draft. A sampled decode drafts in the target's dtype: exact in any (its q is the one the head
-    computed), but bfloat16 rounds differently at another row count (sequences drafting together), enough to move
-    a draw: its tokens for a seed would then differ alone and in a batch."""
+    computed), but a bfloat16 head through transformers' layer rounds differently at another row count (sequences
+    drafting together), enough to move a draw: its tokens for a seed would then differ alone and in a batch. (The
+    native draft layers, runtime/drafters/native_head.py, do not; sampled decodes could draft in bfloat16 where they
+    run: not done, not measured.)"""
     own = target_weight.dtype
     if choice == "auto":
         cpu_fp32 = target_weight.device.type == "cpu" and own == torch.float32

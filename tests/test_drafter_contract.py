@@ -121,8 +121,9 @@ def test_forks_drafting_together_propose_what_each_proposes_alone(name, temperat
     """Three sequences decoded in one batch twice: their drafters' head forwards batched (one forward per step for
     the three: `together.propose_all`), then each drafting alone (`propose`). Every round proposes the same trees
     (tokens, parents, and the q of sampled nodes), so the batch decodes the same tokens. The heads run in the
-    target's float32 here: a sequence reads only its own rows either way, but another row count rounds a bfloat16
-    head's products differently, enough to swap two near-tied guesses."""
+    target's float32 here: a sequence reads only its own rows either way; on the stock kernels (transformers' layer,
+    `--no-prepack`) another row count rounds a bfloat16 head's products differently, enough to swap two near-tied
+    guesses (the native draft layers do not: tests/test_native_head.py)."""
     import headstart.runtime.generate as generate
     from headstart.runtime.drafters import together
 
