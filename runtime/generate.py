@@ -538,11 +538,13 @@ def stream(
     seed: int | None = None,
     stats: GenerationStats | None = None,
     prefix_cache: PrefixCache | None = None,
+    planner=None,
 ) -> Iterator[Chunk]:
     """Yield the tokens generated after `prompt_ids`, a round at a time, stopping at EOS (yielded) or the limit:
     a batch of one. Pass a `GenerationStats` to read the per-request statistics as the stream goes on; a
-    `prefix_cache` to start from the blocks of earlier prompts it holds and keep this one's (as a server does)."""
-    batch = Batch(target, prefix_cache=prefix_cache)
+    `prefix_cache` to start from the blocks of earlier prompts it holds and keep this one's (as a server does); a
+    `planner` to size the tree as the server's does (`Batch`)."""
+    batch = Batch(target, prefix_cache=prefix_cache, planner=planner)
     request = batch.add(
         Request(
             prompt_ids,

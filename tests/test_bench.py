@@ -238,3 +238,27 @@ def test_a_workload_is_replayed_in_order_each_method_with_its_own_pool(tiny_mode
     assert [r["id"] for r in rows] == [f"extraction-{i:03d}" for i in range(5)]
     assert main([*args, "--workload", "agent", "--prompts", str(out / "workload-extraction.jsonl")]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_bench_runs_a_speculation_policy_by_name(tiny_model_dir, tmp_path, monkeypatch):
+    """`run_bench(speculation=...)`: the server's policies in-process (a batch of one): under `budget` the load
+    planner sizes every round of a drafter method (and never plain's), greedy tokens stay plain's; `off` and the
+    default (`fixed`: each drafter's own tree) consult no planner."""
+    import headstart.runtime.sizing.batch_cost as batch_cost
+    from headstart.runtime.sizing.batch_cost import BatchCost
+    from headstart.runtime.sizing.planner import Planner
+
+    monkeypatch.setattr(batch_cost, "batch_cost", lambda target, cache: BatchCost.linear(10.0, 0.001, 0.0))
+    planned = []
+    call = Planner.__call__
+    monkeypatch.setattr(Planner, "__call__", lambda self, *a, **k: planned.append(1) or call(self, *a, **k))
+    engine = Engine.load(str(tiny_model_dir), drafter="none")
+    engine.eos_ids = frozenset()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "c", "turns": ["the cat sat on the mat the cat"]}) + "\n")
+    for policy in ("budget", "off", "fixed"):
+        planned.clear()
+        _, lookup = bench.run_bench(engine, str(prompts), ["plain", "lookup"], [0.0], 12, speculation=policy)
+        assert lookup.same_as_plain, policy
+        rounds = lookup.target_passes + 1  # the warm-up's and the prompt's rounds, each consulted once
+        assert (len(planned) >= rounds) == (policy == "budget"), (policy, len(planned))

@@ -9,6 +9,7 @@ from pathlib import Path
 from headstart.commands import common
 from headstart.runtime.drafters.registry import names
 from headstart.runtime.models import DEFAULT_MODEL
+from headstart.runtime.sizing.policy import POLICIES
 
 
 def add_parsers(sub) -> None:
@@ -59,6 +60,14 @@ def add_parsers(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--seed", type=common.seed_value, default=0)
     b.add_argument("--out", default="bench-results", help="folder for the JSON records and Markdown table")
+    b.add_argument(
+        "--speculation",
+        choices=POLICIES,
+        default="fixed",
+        help="the speculation policy of every drafter method (runtime/sizing/policy.py, a batch of one): fixed, each "
+        "drafter's own tree sized by measured cost (the default here); budget, the load planner `serve` runs by "
+        "default; off, plain",
+    )
     b.add_argument(
         "--breakdown",
         action="store_true",
@@ -215,6 +224,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
             args.seed,
             args.breakdown,
             prefix_cache_gb,
+            args.speculation,
             **options,
         )
     table = bench.summarize(records)

@@ -34,6 +34,7 @@ from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.prompts import load_prompts
 from headstart.runtime.sampling import SamplingParams
+from headstart.runtime.sizing.policy import Switches, build_policy, policy_name
 from headstart.runtime.text import TextDecoder
 from headstart.runtime.tokens import pad_id
 
@@ -94,11 +95,12 @@ def _run_ours(
     max_new: int,
     seed: int,
     prefix_cache: PrefixCache | None = None,
+    planner=None,
 ):
     """The decode loop itself (no detokenising: that is not what the methods differ in)."""
     stats = GenerationStats()
     t0 = time.perf_counter()
-    decoded = stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats, prefix_cache)
+    decoded = stream(engine.target, ids, drafter, sampling, max_new, engine.eos_ids, seed, stats, prefix_cache, planner)
     chunks = [c.tokens for c in decoded]
     return Run([t for chunk in chunks for t in chunk], time.perf_counter() - t0, stats, chunks)
 
@@ -203,11 +205,14 @@ def run_method(
     max_new,
     seed,
     caches: dict[str, PrefixCache] | None = None,
+    planners: dict | None = None,
 ) -> Run:
-    """One generation of `method`; `caches`: each of our methods' prefix cache (none: no prefix cache)."""
+    """One generation of `method`; `caches`: each of our methods' prefix cache (none: no prefix cache); `planners`:
+    each of our methods' planner under the `budget` speculation policy (none: each drafter sizes its own tree)."""
     if method in HF_METHODS:
         return _run_hf(engine, method == "hf-lookup", ids, sampling, max_new, seed)
-    return _run_ours(engine, drafters[method], ids, sampling, max_new, seed, (caches or {}).get(method))
+    cache, planner = (caches or {}).get(method), (planners or {}).get(method)
+    return _run_ours(engine, drafters[method], ids, sampling, max_new, seed, cache, planner)
 
 
 def run_bench(
@@ -221,12 +226,15 @@ def run_bench(
     seed: int = 0,
     breakdown: bool = False,
     prefix_cache_gb: float = 0.0,
+    speculation: str = "fixed",
     **draft_options: str | int | dict | None,
 ) -> list[Record]:
     """Every method on every prompt and temperature; `breakdown`: each record also holds its round's cost per
     phase (`phase_breakdown`; the lm_head timed by hooks, which cost every method alike); `prefix_cache_gb` > 0:
     each of our methods keeps a prefix cache of that size across the prompts, as a server does (empty after the
-    warm-up), so that a workload whose prompts start alike is replayed as a server would serve it.
+    warm-up), so that a workload whose prompts start alike is replayed as a server would serve it. `speculation`: the
+    policy each drafter method runs under (runtime/sizing/policy.py, a batch of one): `fixed`, each drafter's own tree
+    sized by measured cost; `budget`, the server's load planner; `off`, plain.
 
     `draft_options` go to every drafter method that takes them (`method_options`): `heads` maps medusa/eagle to
     checkpoint directories (missing ones: the heads shipped for the engine's model), draft_layers, draft_model,
@@ -235,10 +243,16 @@ def run_bench(
     options = method_options(methods, draft_options)  # every name checked before any loading
     engines = method_engines(engine, options)
     drafters = {m: engines[m].make_drafter(method_spec(m), **o) for m, o in options.items()}
+    planners = {}  # `fixed` without switches is each drafter as it is
+    for m, d in drafters.items() if policy_name(speculation, Switches(), "") != "fixed" else ():
+        policy = policy_name(speculation, Switches(), d.name)
+        planners[m], drafters[m] = build_policy(policy, engines[m].target, d, Switches(), lambda: 1, lambda: 0, 1)
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection
-        run_method(engines.get(method, engine), method, drafters, encoded[0], SamplingParams(), 16, seed)
+        run_method(
+            engines.get(method, engine), method, drafters, encoded[0], SamplingParams(), 16, seed, None, planners
+        )
     for drafter in drafters.values():  # what the warm-up wrote leaves the suffix pools: each starts empty
         if (pool := pool_of(drafter)) is not None:
             pool.clear()
@@ -263,16 +277,19 @@ def run_bench(
                 seed,
                 breakdown,
                 caches,
+                planners,
             )
     return records
 
 
-def _bench_prompt(engine, engines, methods, drafters, prompt, ids, sampling, max_new_tokens, seed, breakdown, caches):
+def _bench_prompt(
+    engine, engines, methods, drafters, prompt, ids, sampling, max_new_tokens, seed, breakdown, caches, planners
+):
     """One prompt through every method: their records."""
     records, plain_tokens = [], None
     for method in methods:
         runs_on = engines.get(method, engine)
-        run = run_method(runs_on, method, drafters, ids, sampling, max_new_tokens, seed, caches)
+        run = run_method(runs_on, method, drafters, ids, sampling, max_new_tokens, seed, caches, planners)
         if method == "plain":
             plain_tokens = run.tokens
         same = run.tokens == plain_tokens if sampling.greedy and plain_tokens is not None else None

@@ -5,5 +5,5 @@ batch_cost.py   the batched forward's cost by width and rows
 planner.py      the load planner: every sequence's offers against the batch's cost, one plan a round
 budgeted.py     a request's drafter under the planner: its offers at a price, the tree it is given
 gate.py         the explicit switches: plain rounds past --speculate-up-to, a queue depth or below break-even
-policy.py       the server's speculation policy by name (budget, fixed, off), built for the worker
+policy.py       the speculation policy by name (budget, fixed, off), built for the server's worker and the bench
 """

@@ -1,4 +1,5 @@
-"""How a server's rounds speculate, by name: the policy built here, the worker only runs it.
+"""How rounds speculate, by name: the policy built here; the server's worker only runs it, and `headstart bench
+--speculation` runs it in-process (a batch of one).
 
     budget   each round, every request's tree sized by the load planner (`planner.py`) over the batched forward's
              measured cost (`batch_cost.py`): the batch-1 tree when the batch is empty, none when it fills the machine
@@ -6,8 +7,9 @@
              requests decoding, more than `step_aside_queue` waiting, recent acceptance under `min_acceptance`
     off      plain decoding
 
-The default: `budget`, `fixed` when a switch is given, `off` for the drafter `none`. Imports no torch until a policy
-is built (the CLI checks a policy's name and switches before it loads a model).
+The server's default: `budget`, `fixed` when a switch is given, `off` for the drafter `none`. bench's: `fixed`
+(its figures so far; whether `budget` at a batch of one matches them is not measured yet). Imports no torch until a
+policy is built (the CLI checks a policy's name and switches before it loads a model).
 """
 
 from __future__ import annotations
@@ -49,14 +51,15 @@ def policy_name(policy: str | None, switches: Switches, drafter: str) -> str:
 
 def build_policy(
     policy: str,
-    engine,
+    target,
+    drafter: Drafter,
     switches: Switches,
     decoding: Callable[[], int],
     waiting: Callable[[], int],
     max_batch: int,
 ) -> tuple[Planner | None, Drafter]:
     """(the planner of the decode loop, or None; the drafter each request forks) for `policy` (`policy_name`'s) over
-    `engine`'s target and drafter; `decoding` and `waiting` count the requests decoding and queued now."""
+    the `target` and its `drafter`; `decoding` and `waiting` count the requests decoding and queued now."""
     from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.paths import cache_dir
     from headstart.runtime.sizing.batch_cost import batch_cost
@@ -65,9 +68,9 @@ def build_policy(
     from headstart.runtime.sizing.planner import Planner
 
     if policy == "off":  # the drafter none as it is (it drafts nothing), another replaced by none
-        return None, engine.drafter if engine.drafter.name == "none" else Drafter()
+        return None, drafter if drafter.name == "none" else Drafter()
     if policy == "budget":
-        return Planner(batch_cost(engine.target, cache_dir() / "costs")), Budgeted(engine.drafter)
+        return Planner(batch_cost(target, cache_dir() / "costs")), Budgeted(drafter)
     gate = AcceptanceGate(switches.min_acceptance) if switches.min_acceptance else None
     up_to = switches.speculate_up_to if switches.speculate_up_to is not None else max_batch
     aside = switches.step_aside_queue
@@ -75,4 +78,4 @@ def build_policy(
     def speculate() -> bool:
         return decoding() <= up_to and (aside is None or waiting() <= aside)
 
-    return None, GatedDrafter(engine.drafter, speculate, gate)
+    return None, GatedDrafter(drafter, speculate, gate)

@@ -107,7 +107,13 @@ class Worker:
         switches = Switches(speculate_up_to, step_aside_queue, min_acceptance)
         self.policy = policy_name(speculation, switches, engine.drafter.name)
         planner, self.drafter = build_policy(  # each job decodes with a fork of the drafter
-            self.policy, engine, switches, lambda: len(self.batch.decoding), lambda: self.queue_depth, max_batch
+            self.policy,
+            engine.target,
+            engine.drafter,
+            switches,
+            lambda: len(self.batch.decoding),
+            lambda: self.queue_depth,
+            max_batch,
         )
         prefix = engine.chat_prefix()
         self.batch = Batch(engine.target, prefill_chunk, kv_budget, prefix, planner, prefix_cache=prefix_cache)
