@@ -78,6 +78,13 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * normed
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` (..., D) with its first half negated: rotate_half(x) * sin == roll(x, D/2) * signed_sin(sin), the form
+    the fused layers and the native kernel apply rotary in."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 class FusedLayer:
     """One decoder layer's fused weights and norms (the layer's own modules, read, never copied)."""
 
@@ -206,8 +213,7 @@ class FusedStack:
         wanted = set(range(n + 1)) if hidden_wanted is True else set(hidden_wanted or ())
         wanted = {k % (n + 1) for k in wanted}
         cos, sin = self.rotary(h, positions)  # (B, q, D)
-        half = sin.shape[-1] // 2  # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        sin = signed_sin(sin)
         table = self.native_layers()
         if table is not None:
             hidden, h = native.forward(self, table, h, mask, cos, sin, cache, wanted, packing)

@@ -32,6 +32,12 @@ from transformers.cache_utils import DynamicLayer
 MIN_CAPACITY = 256  # rows a slot holds at first; doubling past it
 
 
+def grown_rows(needed: int, have: int) -> int:
+    """Rows a buffer holding `have` grows to for `needed`: doubling, past MIN_CAPACITY more than asked (each row is
+    copied O(1) times in all); `have` where it holds them already (more slots alone keep the rows there are)."""
+    return max(needed + MIN_CAPACITY, 2 * have) if needed > have else have
+
+
 class SlotLayer(DynamicLayer):
     """One layer's keys and values for every slot: (slots, kv_heads, capacity, head_dim)."""
 
@@ -45,8 +51,7 @@ class SlotLayer(DynamicLayer):
             return
         have_s, have_c = (0, 0) if self._k is None else self._k.shape[0:3:2]
         slots = max(slots, min(2 * have_s, self.cache.slots)) if have_s else slots
-        # rows: doubling (each row is copied O(1) times in all); more slots alone keep the rows there are
-        capacity = max(capacity + MIN_CAPACITY, 2 * have_c) if capacity > have_c else have_c
+        capacity = grown_rows(capacity, have_c)
         k = like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
         v = like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
         if have_s:

@@ -243,8 +243,8 @@ def run_bench(
     options = method_options(methods, draft_options)  # every name checked before any loading
     engines = method_engines(engine, options)
     drafters = {m: engines[m].make_drafter(method_spec(m), **o) for m, o in options.items()}
-    planners = {}  # `fixed` without switches is each drafter as it is
-    for m, d in drafters.items() if policy_name(speculation, Switches(), "") != "fixed" else ():
+    planners = {}
+    for m, d in drafters.items() if speculation != "fixed" else ():  # fixed, no switches: each drafter as it is
         policy = policy_name(speculation, Switches(), d.name)
         planners[m], drafters[m] = build_policy(policy, engines[m].target, d, Switches(), lambda: 1, lambda: 0, 1)
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)

@@ -31,9 +31,9 @@ from torch import nn
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.masks import additive_mask
 from headstart.runtime import native
-from headstart.runtime.fused import FusedLayer, FusedStack, rms_norm
+from headstart.runtime.fused import FusedLayer, FusedStack, rms_norm, signed_sin
 from headstart.runtime.kernels import NATIVE
-from headstart.runtime.kvcache import MIN_CAPACITY
+from headstart.runtime.kvcache import grown_rows
 
 
 class HeadSlots:
@@ -59,8 +59,7 @@ class HeadSlots:
         have_s, have_c = (self.kv[0][0].shape[0], self.kv[0][0].shape[2]) if self.kv else (0, 0)
         if slots <= have_s and rows <= have_c:
             return self.kv
-        s = max(slots, 2 * have_s)
-        c = max(rows + MIN_CAPACITY, 2 * have_c) if rows > have_c else have_c
+        s, c = max(slots, 2 * have_s), grown_rows(rows, have_c)
         grown = []
         for layer in range(self.layers):
             pair = []
@@ -164,11 +163,9 @@ class NativeHead:
         dynamic = "dynamic" in str(getattr(rotary, "rope_type", ""))
         need, have = int(positions.max()) + 1, 0 if self._cos is None else len(self._cos)
         if dynamic or have < need:
-            at = positions if dynamic else torch.arange(max(need + MIN_CAPACITY, 2 * have))
+            at = positions if dynamic else torch.arange(grown_rows(need, have))
             cos, sin = rotary(like, at[None], **kwargs)  # (1, L, D)
-            half = sin.shape[-1] // 2
-            sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
             if dynamic:
-                return cos[0], sin
-            self._cos, self._sin = cos[0], sin
+                return cos[0], signed_sin(sin[0])
+            self._cos, self._sin = cos[0], signed_sin(sin[0])
         return self._cos[positions], self._sin[positions]
