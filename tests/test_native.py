@@ -28,12 +28,14 @@ def test_products_equal_float64_and_each_row_its_one_row_product(dtype):
     weight = torch.randn(80, 288, dtype=torch.float64).to(dtype)  # 5 strips of 16 outputs, 288 inputs: 3 blocks of k
     bias = torch.randn(80, dtype=torch.float64).to(dtype)
     packed = native.pack(weight)
-    x = torch.randn(17, 288, dtype=torch.float64).to(dtype)
+    x = torch.randn(33, 288, dtype=torch.float64).to(dtype)
     exact = x.double() @ weight.double().T + bias.double()
-    alone = torch.cat([native.linear(x[i : i + 1], packed, bias) for i in range(17)])
+    alone = torch.cat([native.linear(x[i : i + 1], packed, bias) for i in range(33)])
     tol = 1e-4 if dtype == torch.float32 else 0.05 * exact.abs().max().item()
     torch.testing.assert_close(alone.double(), exact, rtol=0, atol=tol)
-    for rows in (2, 3, 5, 6, 7, 12, 17):  # tiles of 6 rows and the rows left over: every row as alone
+    # one tile of every row up to 12 (R x 4 strips, 8 x 3, 12 x 2), beyond it tiles of up to 8 rows as even as can
+    # be, the last prefetching the next block: every row as alone
+    for rows in (2, 3, 5, 6, 7, 8, 9, 12, 13, 17, 24, 25, 33):
         assert torch.equal(native.linear(x[:rows], packed, bias), alone[:rows])
 
 

@@ -2,7 +2,7 @@
 stack's weights (SmolLM2-135M's shapes: q/k/v, o, gate/up, down, 30 layers, random values, 212 MB in bf16) by
 rows, each build packing its own copy, the two alternating 7 times a row count (the first dropped), medians.
 
-    .venv/bin/python tests/engines/products_ab.py --base REV [--head REV] [--dtype bfloat16|float32]
+    .venv/bin/python tests/engines/products_ab.py --base REV [--head REV] [--dtype bfloat16|float32] [--rows 1,2,4]
 
 REV: a git revision (`git show REV:runtime/csrc/forward.cpp`); --head defaults to the working tree's file. Both are
 compiled as runtime/native.py compiles its library, into a temporary folder. Registered background jobs are paused.
@@ -53,7 +53,9 @@ def main() -> None:
     p.add_argument("--base", required=True)
     p.add_argument("--head", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     args = p.parse_args()
+    rows = [int(m) for m in args.rows.split(",")]
     dtype = getattr(torch, args.dtype)
     code = 1 if dtype == torch.bfloat16 else 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +91,7 @@ def main() -> None:
         )
         print("| rows | base | head | base / head |\n| ---: | ---: | ---: | ---: |")
         with paused():
-            for m in ROWS:
+            for m in rows:
                 ms: dict[str, list[float]] = {"base": [], "head": []}
                 for r in range(7):
                     for label in ("base", "head") if r % 2 else ("head", "base"):
