@@ -17,8 +17,8 @@ PROFILES: dict[str, dict[str, dict[str, int | float]]] = {
     "smollm2-135m-cpu": {
         "medusa": {"budget": 7, "draft_vocab": 12288},
         "medusa2": {"budget": 7, "draft_vocab": 12288},  # medusa's, not re-tuned
-        "eagle": {"budget": 12, "min_prob": 0.1, "sampled_budget": 8, "draft_vocab": 12288},
-        "eagle3": {"budget": 12, "min_prob": 0.1, "sampled_budget": 8, "draft_vocab": 12288},  # eagle's, not re-tuned
+        "eagle": {"budget": 12, "min_prob": 0.1, "sampled_budget": 8, "draft_vocab": 8192},
+        "eagle3": {"budget": 12, "min_prob": 0.1, "sampled_budget": 8, "draft_vocab": 8192},  # eagle's, not re-tuned
     },
 }
 
