@@ -15,8 +15,9 @@ against it; the engine, the server, the bench and distillation (`decode_all`) co
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from headstart.runtime.prefix_cache import BLOCK, PrefixCache, restore
 from headstart.runtime.sampling import Rng, SamplingParams
 from headstart.runtime.target import Prefill, Target, Verified, features
 from headstart.runtime.tree import DraftTree
+
+if TYPE_CHECKING:
+    from headstart.runtime.sizing.planner import Planner
 
 # a round, in order (`stream`); layers + lm_head = the target forward (lm_head measured under `Target.timing_lm_head`)
 PHASES = ("propose", "mask", "layers", "lm_head", "accept", "commit", "observe")
@@ -159,12 +163,12 @@ class Batch:
     `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
     bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
     `prefix_cache`: leavers' prompts kept, joiners' starts copied from it (`runtime/prefix_cache.py`; None: none);
-    `planner`: sizes every decoding sequence's tree before each round, from their drafters, their contexts, the
-    seconds spent aside since the last plan (this round's prefill, the last round's drafting) and the joiners
-    waiting for a prefill, and whether the last round's time is a sample of a round's cost
-    (`runtime/sizing/planner.Planner`; None: each drafter drafts what it drafts). `mix`: while others decode, joiners'
-    prompt chunks ride in the round's forward (`Target.verify_batch`'s prefills; None: where the target can,
-    `Target.mixes_prefill`), else each chunk is a forward of its own before the round."""
+    `planner`: sizes every decoding sequence's tree before each round (`plan`: from their drafters, their contexts,
+    the seconds spent aside since the last plan, this round's prefill and the last round's drafting, the joiners
+    waiting for a prefill, and whether the last round's time is a sample of a round's cost), the sizes handed to
+    `propose_all` (`runtime/sizing/planner.Planner`; None: each drafter drafts its own tree). `mix`: while others
+    decode, joiners' prompt chunks ride in the round's forward (`Target.verify_batch`'s prefills; None: where the
+    target can, `Target.mixes_prefill`), else each chunk is a forward of its own before the round."""
 
     def __init__(
         self,
@@ -172,7 +176,7 @@ class Batch:
         prefill_chunk: int | None = None,
         kv_budget: int | None = None,
         prefix: SharedPrefix | None = None,
-        planner: Callable[[list[Drafter], list[list[int]], float, int, bool], object] | None = None,
+        planner: Planner | None = None,
         mix: bool | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
@@ -224,13 +228,13 @@ class Batch:
             return []
         target, phases = self.target, Phases()
         staged = self._stage() if self.mix else []
-        if self.planner is not None:  # the joiners' prefill and the drafting, as measured: apart from the round's rest
+        drafters, contexts = [r.drafter for r in live], [r.context for r in live]
+        sizes = None  # the joiners' prefill and the drafting, as measured: apart from the round's rest
+        if self.planner is not None:
             waiting = min(len(self.joining), self.target.slots - len(live))  # joiners with a slot, not yet decoding
-            self.planner(
-                [r.drafter for r in live], [r.context for r in live], prefill_s + self._drafted_s, waiting, self._sample
-            )
+            sizes = self.planner.plan(drafters, contexts, prefill_s + self._drafted_s, waiting, self._sample)
         self._sample = not staged  # a round whose forward carries a prefill is no sample of a round's cost
-        trees = propose_all([r.drafter for r in live], [r.context for r in live])  # heads' forwards batched
+        trees = propose_all(drafters, contexts, sizes)  # heads' forwards batched
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()
             for r, t in zip(live, trees, strict=True)

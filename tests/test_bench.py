@@ -250,8 +250,8 @@ def test_bench_runs_a_speculation_policy_by_name(tiny_model_dir, tmp_path, monke
 
     monkeypatch.setattr(batch_cost, "batch_cost", lambda target, cache: BatchCost.linear(10.0, 0.001, 0.0))
     planned = []
-    call = Planner.__call__
-    monkeypatch.setattr(Planner, "__call__", lambda self, *a, **k: planned.append(1) or call(self, *a, **k))
+    call = Planner.plan
+    monkeypatch.setattr(Planner, "plan", lambda self, *a, **k: planned.append(1) or call(self, *a, **k))
     engine = Engine.load(str(tiny_model_dir), drafter="none")
     engine.eos_ids = frozenset()
     prompts = tmp_path / "p.jsonl"

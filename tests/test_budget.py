@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from headstart.runtime.drafters.base import Offer
+from headstart.runtime.drafters.base import PLAIN, Drafter, Offer
 from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.lookup import LookupDrafter
+from headstart.runtime.drafters.together import drive
 from headstart.runtime.generate import Batch, Request
 from headstart.runtime.sizing.batch_cost import BatchCost, fit_batch_cost, measure_batch_cost
 from headstart.runtime.sizing.budgeted import Budgeted
@@ -173,19 +174,16 @@ def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_ow
 
     class Fixed:
         def __init__(self, gain: float) -> None:
-            self.gain, self.plan = gain, "unset"
+            self.gain = gain
 
         def offers(self, context, price=None):
             return [Offer(1, self.gain, 0.0, heads=1)]
 
-        def take(self, plan):
-            self.plan = plan
-
     cost = BatchCost({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0}, 0.0, 0.0, 0.2, {2: 0.02, 16: 0.2})
     for b, speculates in ((2, True), (16, False)):
         drafters = [Fixed(0.1) for _ in range(b)]  # each sequence 1.1 tokens a round for the same forward
-        Planner(cost)(drafters, [[1, 2, 3]] * b)
-        assert all((d.plan is not None) == speculates for d in drafters), b
+        sizes = Planner(cost).plan(drafters, [[1, 2, 3]] * b)
+        assert all((size.nodes > 0) == speculates for size in sizes), b
 
 
 def test_joiners_waiting_for_their_prefill_are_planned_as_if_decoding_beside():
@@ -197,21 +195,14 @@ def test_joiners_waiting_for_their_prefill_are_planned_as_if_decoding_beside():
     offers = eagle_like(0.7, 16, 3.0)
 
     class Fixed:
-        plan = None
-
         def offers(self, context, price=None):
             return offers
 
-        def take(self, plan):
-            self.plan = plan
-
-    alone = Fixed()
-    Planner(cost)([alone], [[1, 2, 3]])
-    assert alone.plan is not None and alone.plan.nodes > 1
-    waited = Fixed()
+    [alone] = Planner(cost).plan([Fixed()], [[1, 2, 3]])
+    assert alone.nodes > 1
     planner = Planner(cost)
-    planner([waited], [[1, 2, 3]], waiting=7)
-    assert waited.plan is None is allocate([offers] + [[]] * 7, 2, cost, cost.error(8))[1][0]
+    [waited] = planner.plan([Fixed()], [[1, 2, 3]], waiting=7)
+    assert waited is PLAIN and allocate([offers] + [[]] * 7, 2, cost, cost.error(8))[1][0] is None
     assert planner._last[2:] == (1, 0)  # what the round will be measured as: one sequence, no tree
 
 
@@ -226,16 +217,11 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     offers = [Offer(1, 0.5, 0.0, heads=1), Offer(4, 1.5, 8.0, heads=4)]  # 1 node, free; 4 nodes, 8 ms to draft
 
     class Fixed:
-        plan = None
-
         def __init__(self) -> None:
             self.offered = offers
 
         def offers(self, context, price=None):
             return self.offered
-
-        def take(self, plan):
-            self.plan = plan
 
     assert allocate([offers] * 2, 10, cost)[1] == [offers[0]] * 2  # 3 / 10 against 5 / 26
     assert allocate([offers] * 2, 10, cost, overhead_ms=2 * 30.0)[1] == [offers[1]] * 2  # 3 / 70 against 5 / 86
@@ -249,9 +235,8 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     def rounds(n: int, plain_ms: float, tree_ms: float, aside: float = 0.0, outlier: int = -1) -> None:
         for k in range(n):
             now[0] += aside
-            planner(drafters, [[1, 2, 3]] * 2, aside_s=aside + drafted[0] / 1e3)
-            trees = [d for d in drafters if d.plan is not None]
-            drafted[0] = sum(d.plan.draft_ms for d in trees)
+            trees = [s for s in planner.plan(drafters, [[1, 2, 3]] * 2, aside_s=aside + drafted[0] / 1e3) if s.nodes]
+            drafted[0] = sum(s.draft_ms for s in trees)
             beyond = 2 * plain_ms + tree_ms * len(trees) + (500.0 if k == outlier else 0.0)
             now[0] += (10.0 + drafted[0] + beyond) / 1e3
 
@@ -266,11 +251,9 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     rounds(80, 1.0, 3.0, aside=0.040)  # every round prefills a joiner's chunk first (40 ms): work aside
     assert (planner.overhead_ms(2), planner.tree_ms()) == (pytest.approx(1.0), pytest.approx(3.0))
     planner.overheads.extend([(2, 60.0)] * 64)
-    planner(drafters, [[1, 2, 3]] * 2)
-    assert [d.plan for d in drafters] == [offers[1]] * 2
+    assert planner.plan(drafters, [[1, 2, 3]] * 2) == [offers[1]] * 2
     planner.tree_rounds.extend([(800.0, 2, 2)] * 64)
-    planner(drafters, [[1, 2, 3]] * 2)
-    assert [d.plan for d in drafters] == [None, None]
+    assert planner.plan(drafters, [[1, 2, 3]] * 2) == [PLAIN, PLAIN]
 
 
 def test_a_plain_share_is_learnt_at_its_batch_size():
@@ -298,19 +281,14 @@ def test_drafting_as_the_loop_measured_it_is_no_rounds_overhead():
     planner = Planner(cost, clock=lambda: now[0])
 
     class Drafting:
-        plan = None
-
         def offers(self, context, price=None):
             return [Offer(1, 0.9, 1.0, heads=1)]
 
-        def take(self, plan):
-            self.plan = plan
-
     drafters = [Drafting(), Drafting()]
-    planner(drafters, [[1, 2, 3]] * 2)
+    planner.plan(drafters, [[1, 2, 3]] * 2)
     now[0] += 0.200 + 0.012  # 200 ms drafting (300 pairs through the head), the forward 10 ms, 2 ms beyond
-    planner(drafters, [[1, 2, 3]] * 2, aside_s=0.200)
-    assert planner.overhead_ms(2) == pytest.approx(1.0) and all(d.plan is not None for d in drafters)
+    sizes = planner.plan(drafters, [[1, 2, 3]] * 2, aside_s=0.200)
+    assert planner.overhead_ms(2) == pytest.approx(1.0) and all(s.nodes for s in sizes)
 
 
 def test_the_cost_model_is_measured_on_the_target_and_leaves_its_cache_empty():
@@ -335,10 +313,10 @@ class Recorded(Budgeted):
         super().clear_record()
         self.widths: list[tuple[int, int]] = []
 
-    def drafting(self, context):
-        tree = yield from super().drafting(context)
+    def drafting(self, context, size=None):
+        tree = yield from super().drafting(context, size)
         if len(tree):
-            self.widths.append((len(tree), self.plan.nodes))
+            self.widths.append((len(tree), size.nodes))
         return tree
 
 
@@ -368,7 +346,6 @@ def test_what_grafts_are_worth_is_learnt_from_every_request():
     """Lookup branches grafted for one request tell the next what a graft is worth on this traffic: the forks of one
     Budgeted share the record (each request starting from GRAFT_PRIOR alone, at two requests the budget never
     tried grafts worth 3 nodes a round on held-out chat, and never learnt it)."""
-    from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.sizing.budgeted import GRAFT_PRIOR
 
     torch.manual_seed(0)
@@ -398,7 +375,6 @@ def test_grafts_are_offered_cut_to_what_their_depths_are_worth():
     grafted nodes above it were accepted), and its rates are drawn from the traffic's towards its own. Whole only,
     the budget drafted 8-node grafts or none at 4 requests in float32 on a 2-core AMD EPYC, where 2-node grafts made
     1.3x plain and 8-node ones 1.2x."""
-    from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.sizing.budgeted import GRAFT_PRIOR, GRAFT_SIZES
 
     context = [3, 5, 7, 1, 2, 9, 9, 4, 6, 8, 3, 5]  # `3 5` found once: `7 1 2 9 9 4 6 8` follows (the default 8 nodes)
@@ -408,8 +384,7 @@ def test_grafts_are_offered_cut_to_what_their_depths_are_worth():
     assert [o.gain for o in grafts] == pytest.approx(
         [sum(GRAFT_PRIOR**k for k in range(1, n + 1)) for n in [1, 2, 4, 8]]
     )
-    drafter.take(grafts[2])  # the 4-node cut: `7 1 2 9`
-    tree = drafter.propose(context)
+    tree = drive(drafter.drafting(context, grafts[2]))  # the 4-node cut: `7 1 2 9`
     assert tree.tokens == [7, 1, 2, 9]
     drafter.observe(tree, [0, 1], None, 5)  # two accepted: depths 1-3 tried, 1-2 accepted, depth 4 never reached
     assert drafter.graft_seen[:, :4].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
@@ -435,20 +410,21 @@ def test_a_request_is_corrected_by_what_the_curve_expected_of_the_tree_it_drafte
     eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
     eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
 
-    def eight(drafters, contexts, aside_s, waiting, sample):
-        for d, c in zip(drafters, contexts, strict=True):
-            d.take(next(o for o in d.offers(c) if o.heads == 8 and not o.graft))
+    class Eight:  # every round, the heads' tree of 8 nodes
+        def plan(self, drafters, contexts, aside_s, waiting, sample):
+            pairs = zip(drafters, contexts, strict=True)
+            return [next(o for o in d.offers(c) if o.heads == 8 and not o.graft) for d, c in pairs]
 
-    batch = Batch(Target(model), planner=eight)
+    batch = Batch(Target(model), planner=Eight())
     request = batch.add(Request([1, 5, 2, 7], Budgeted(eagle.fork()), max_new_tokens=8))
     batch.round()
     assert request.stats.draft_tokens == 8
     for f, seen in zip(GRID, request.drafter.curve_seen[1], strict=True):
-        assert seen == pytest.approx(next(o.gain for o in eagle.offers(32, f) if o.nodes == 8))
-    traffic = {o.nodes: o.gain for o in eagle.offers(32)}
+        assert seen == pytest.approx(next(o.gain for o in eagle.curve(32, f) if o.nodes == 8))
+    traffic = {o.nodes: o.gain for o in eagle.curve(32)}
     good, bad = Budgeted(eagle.fork()), Budgeted(eagle.fork())
     for d, accepted in ((good, 3.0), (bad, 0.0)):  # ten rounds of 8-node trees accepting 3 (all it can) or none
-        d.curve_seen = [10 * accepted, 10 * d.heads.gains(32, GRID)[:, 8]]
+        d.curve_seen = [10 * accepted, 10 * d._gains(8)]
         d._refit()
     assert good.factor > 1 > bad.factor
     for o in good.offers([1, 2]):
@@ -484,15 +460,14 @@ def test_a_requests_backlog_is_charged_to_its_heads_offers():
     assert drafter.heads.backlog == 0 and drafter.heads.cache.get_seq_length() == 0
     before = {(o.nodes, o.graft): o.draft_ms for o in drafter.offers(prompt)}
     for _ in range(3):  # three plain rounds: their pairs wait for the next drafting
-        drafter.take(None)
         drafter.observe(DraftTree(), [], features[-1:], 4)
     assert drafter.heads.backlog == 3 and drafter.heads.cache.get_seq_length() == 0
     after = {(o.nodes, o.graft): o for o in drafter.offers(prompt)}
     for key, o in after.items():
         charged = 0.1 * 3 if o.heads else 0.0
         assert o.draft_ms == pytest.approx(before.get(key, 0.0) + charged)
-    drafter.take(max(after.values(), key=lambda o: o.heads))
-    drafter.propose([*prompt, 4, 4, 4])  # the prompt's 6 pairs and the stretch's 3 enter, then nothing waits
+    drive(drafter.drafting([*prompt, 4, 4, 4], max(after.values(), key=lambda o: o.heads)))  # the prompt's 6 pairs
+    # and the stretch's 3 enter, then nothing waits
     assert drafter.heads.backlog == 0 and drafter.heads.cache.get_seq_length() == 9
     assert measure_catch_up(eagle, prompt, features, reps=1) >= 0.0
 
@@ -520,7 +495,6 @@ def test_sampling_sized_by_the_budget_follows_the_target(graft):
     rounds only; the cost model makes the allocation change with the batch (trees for some, plain for others).
     `suffix`: serve's default, EAGLE+suffix, every run's graft drafting from one suffix pool that every finished
     run enters (its drafts are earlier runs' samples), some rounds the pool's continuations alone."""
-    from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.drafters.eagle import EagleDrafter
     from headstart.runtime.drafters.options import SuffixOptions
     from headstart.runtime.drafters.suffix import SuffixDrafter
@@ -533,7 +507,14 @@ def test_sampling_sized_by_the_budget_follows_the_target(graft):
     accuracy = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3]]
     eagle = EagleDrafter(random_heads("eagle", model, 0.1), model.model.embed_tokens, model.lm_head, None, accuracy)
     eagle.sizer = LiveSizer({1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0}, accuracy, 0.5, every=8)
-    planner = Planner(BatchCost.linear(10.0, 0.4, 0.001))  # grafts of 1 and 2 nodes, heads' trees of 1 and 2
+
+    class Noted(Planner):  # the sizes of the last plan, by drafter
+        def plan(self, drafters, *args):
+            sized = super().plan(drafters, *args)
+            self.last = dict(zip(map(id, drafters), sized, strict=True))
+            return sized
+
+    planner = Noted(BatchCost.linear(10.0, 0.4, 0.001))  # grafts of 1 and 2 nodes, heads' trees of 1 and 2
     prompt = [1, 5, 2, 7]
     joint = first_three_joint(model, prompt, SAMPLING)
     target = Target(model, slots=6)
@@ -557,7 +538,7 @@ def test_sampling_sized_by_the_budget_follows_the_target(graft):
             batch.add(r)
         while len(batch):
             batch.round()
-            sizes.update(0 if r.drafter.plan is None else r.drafter.plan.nodes for r in ours)
+            sizes.update(planner.last[id(r.drafter)].nodes for r in ours if id(r.drafter) in planner.last)
         for r in ours:
             a, b_, c = r.context[len(prompt) : len(prompt) + 3]
             counts[a, b_, c] += 1
@@ -566,3 +547,39 @@ def test_sampling_sized_by_the_budget_follows_the_target(graft):
     assert (alone > 100) == (graft == "suffix"), alone
     assert int(counts[joint == 0].sum()) == 0
     assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+class Chain(Drafter):
+    """A toy drafter with a calibrated curve: the root token 8 times over, its k-th node worth 0.9^k times the
+    factor it is asked at (at most 1), offered at 1, 2, 4 and 8 nodes."""
+
+    name = "chain"
+
+    def __init__(self) -> None:
+        self.factors: list[float] = []
+
+    def propose(self, context):
+        return DraftTree([context[-1]] * 8, list(range(-1, 7)))
+
+    def curve(self, max_nodes, factor=1.0):
+        self.factors.append(factor)
+        gains = np.cumsum([min(0.9**k * factor, 1.0) for k in range(1, 9)])
+        return [Offer(n, float(gains[n - 1]), 0.1 * n, heads=n) for n in (1, 2, 4, 8) if n <= max_nodes]
+
+
+def test_a_drafter_that_implements_the_interface_is_budgeted_by_it():
+    """Sizing knows no drafter by its class: a toy drafter with a `curve` is offered by it, planned, drafts the size
+    the plan hands back (its own tree cut to it; PLAIN: nothing), and a request that accepts every node is
+    corrected upward (its curve asked at a larger factor)."""
+    toy = Budgeted(Chain()).fork()
+    offers = toy.offers([1, 2, 3])
+    assert [(o.nodes, o.heads, o.graft) for o in offers] == [(1, 1, False), (2, 2, False), (4, 4, False), (8, 8, False)]
+    [size] = Planner(BatchCost.linear(10.0, 0.1, 0.0)).plan([toy], [[1, 2, 3]])
+    assert size in offers
+    tree = drive(toy.drafting([1, 2, 3], size))
+    assert tree.tokens == [3] * size.nodes
+    toy.observe(tree, list(range(size.nodes)), None, 3)
+    assert toy.factor > 1.0
+    toy.offers([1, 2, 3, 3])
+    assert toy.inner.factors[-1] == toy.factor
+    assert len(drive(toy.drafting([1, 2, 3, 3], PLAIN))) == 0

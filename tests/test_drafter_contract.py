@@ -139,12 +139,12 @@ def test_forks_drafting_together_propose_what_each_proposes_alone(name, temperat
     runs = []
     for propose in (
         together.propose_all,
-        lambda drafters, contexts: [d.propose(c) for d, c in zip(drafters, contexts, strict=True)],
+        lambda drafters, contexts, sizes=None: [d.propose(c) for d, c in zip(drafters, contexts, strict=True)],
     ):
         trees: list[list] = []
 
-        def recorded(drafters, contexts, propose=propose, trees=trees):
-            out = propose(drafters, contexts)
+        def recorded(drafters, contexts, sizes=None, propose=propose, trees=trees):
+            out = propose(drafters, contexts, sizes)
             trees.append([(t.tokens, t.parents, None if t.draft_probs is None else t.draft_probs.clone()) for t in out])
             return out
 

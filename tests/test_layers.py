@@ -176,3 +176,22 @@ def test_no_import_loops():
 def test_the_loop_finder_finds_a_loop_hidden_in_a_function():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_sizing_tells_no_drafter_apart_by_its_class():
+    """runtime/sizing/ sizes every drafter through the interface they all have (`Drafter.curve`, `catch_up_ms`,
+    `graft`, `drafting` at a size): no isinstance on a class it imports from runtime/drafters/."""
+    found = []
+    for path in sorted((ROOT / "runtime" / "sizing").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        drafter_names = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("headstart.runtime.drafters")
+            for alias in node.names
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                found += [f"{path.name}:{node.lineno}" for k in kinds if getattr(k, "id", None) in drafter_names]
+    assert found == []

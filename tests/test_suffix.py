@@ -271,6 +271,7 @@ def test_under_the_load_budget_a_confident_pool_offers_its_tree_alone():
     (the pool's nodes, then the request's own lookup branches), worth what the pool expects of it; taken, the heads
     rest, the tree is that one cut to the plan, and the pool records how many of its nodes were accepted."""
     from headstart.runtime.drafters.base import Offer
+    from headstart.runtime.drafters.together import drive
     from headstart.runtime.sizing.budgeted import Budgeted
 
     pool = SuffixPool(1000)
@@ -281,8 +282,7 @@ def test_under_the_load_budget_a_confident_pool_offers_its_tree_alone():
     context = [5, 1, 2, 3, 5, 6, 7, 8, 9]
     offers = [o for o in drafter.offers(context) if o.graft and not o.heads]
     assert offers == [Offer(4, pytest.approx(3.0), 0.0, graft=True)]  # `1 2 3 4`, each node 3/4
-    drafter.take(offers[0]._replace(nodes=3))
-    tree = drafter.propose(context)
+    tree = drive(drafter.drafting(context, offers[0]._replace(nodes=3)))
     assert tree.tokens == [1, 2, 3] and (inner.drafted, inner.rested) == (0, 1)
     drafter.observe(tree, [0, 1, 2], None, 9)
     assert (pool.expected, pool.accepted) == (pytest.approx(2.25), 3)  # the three nodes drafted expected 3/4 each

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 class Offer(NamedTuple):
     """A tree a sequence's drafter can draft this round, what it is worth and costs (a tuple: a batch's drafters make
-    hundreds a round); runtime/sizing decides which is drafted."""
+    hundreds a round); runtime/sizing decides which is drafted and hands it back as the round's size
+    (`Drafter.drafting`)."""
 
     nodes: int  # rows it adds beyond the root (an upper bound: the tree is cut to the width it is given)
     gain: float  # expected draft nodes accepted (tokens beyond the target's own one)
@@ -31,6 +32,10 @@ class Offer(NamedTuple):
     heads: int = 0  # nodes the drafter's own model drafts (the rest: grafted lookup branches)
     graft: bool = False  # lookup branches grafted on
     shared_ms: float = 0.0  # of draft_ms, what sequences drafting together pay once (their head forwards' weights)
+    shape: tuple[tuple[int, ...], ...] | None = None  # the heads' static tree it was valued as (`Drafter.curve`)
+
+
+PLAIN = Offer(0, 0.0, 0.0)  # the size of a plain step: nothing drafted
 
 
 class Drafter:
@@ -56,12 +61,33 @@ class Drafter:
         """A tree of guesses for the tokens after `context[-1]`."""
         return DraftTree()
 
-    def drafting(self, context: list[int]) -> Drafting:
+    def drafting(self, context: list[int], size: Offer | None = None) -> Drafting:
         """`propose` as a generator of the head forwards it needs (`runtime/drafters/together.py`: the forks of a
         drafter with a head draft together, one forward per step for the batch); a drafter without a head asks for
-        none."""
-        return self.propose(context)
+        none. `size`: the tree the round's plan gave it, one of the offers it made (`curve`, or its whole tree cut
+        to `size.nodes`; PLAIN: nothing); None: its own tree."""
+        if size is not None and not size.nodes:
+            return DraftTree()
+        tree = self.propose(context)
+        return tree if size is None else tree.prefix(size.nodes)
         yield  # a generator, which yields nothing
+
+    def curve(self, max_nodes: int, factor: float = 1.0) -> list[Offer]:
+        """What each size of its tree is worth: the trees of up to `max_nodes` nodes it can draft now, each with its
+        expected accepted nodes (its calibrated accuracies times `factor`, a request's own correction) and its
+        drafting ms, each drafted by `drafting` when handed back. []: no calibrated accuracies (runtime/sizing
+        then prices its whole tree by what its rounds accepted)."""
+        return []
+
+    @property
+    def catch_up_ms(self) -> float:
+        """What its next drafting costs before it drafts (a head entering the pairs of its plain rounds)."""
+        return 0.0
+
+    @property
+    def graft(self) -> Drafter | None:
+        """The lookup grafted onto its tree (a `graft.LookupGraft`: itself), None: none."""
+        return None
 
     def rest(self) -> None:
         """Draft nothing this round: a graft verifies another source's tree instead (`graft.LookupGraft`), which

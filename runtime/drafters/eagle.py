@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 import math
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -101,8 +100,7 @@ class EagleDrafter(SamplingDrafter):
         self._backlog = 0  # of them, the rounds' (the prompt's are not counted: `backlog`)
         self.sizer = None  # a runtime.sizing.cost_curve.LiveSizer (drafters never import sizing)
         self._drafted = 0  # nodes of the last tree proposed; a graft's nodes come after them
-        self._sized: tuple[tuple[int, ...], ...] | None = None  # the static shape `size` gave (None: the sizer's)
-        self._curve: tuple[list[tuple[int, ...]], list[Offer]] = ([], [])  # the last `offers`' (shape, offers)
+        self._sized: tuple[tuple[int, ...], ...] | None = None  # the static shape a size gave (None: the sizer's)
 
     def clear(self) -> None:
         super().clear()
@@ -119,44 +117,28 @@ class EagleDrafter(SamplingDrafter):
         else:
             self.budget, self.depth = choice.budget, choice.depth
 
-    def offers(self, max_nodes: int, factor: float = 1.0) -> list[Offer]:
+    def curve(self, max_nodes: int, factor: float = 1.0) -> list[Offer]:
         """The trees of 1..`max_nodes` nodes this drafter can draft now, each the best of its size
         (`runtime/sizing/planner.py`): node k of the best static tree (`choose_tree_shape`) under the sizer's
         accuracies, as live traffic corrected them and times `factor` (a request's own correction), survives with the
         product of its path's accuracies; drafting costs the sizer's measured ms per depth (its measured shared part
-        paid once by the sequences drafting together). [] without a sizer (heads with no calibrated accuracies)."""
+        paid once by the sequences drafting together). Each offer carries its tree (`shape`), which `drafting`
+        drafts when it is handed back. [] without a sizer (heads with no calibrated accuracies)."""
         s = self.sizer
         if s is None:
             return []
-        key = ("offers", s.factor[self._samples] * factor, self._samples, max_nodes)
-        curve = s.curves.get(key)
-        if curve is None:
+        key = ("curve", s.factor[self._samples] * factor, self._samples, max_nodes)
+        offers = s.curves.get(key)
+        if offers is None:
             shape, gains = self._tree(key[1], max_nodes)
             offers, depth = [], 0
             for n, path in enumerate(shape, start=1):
                 depth = max(depth, len(path))
                 if n in OFFERED or n == len(shape):
                     ms = s.draft_ms * depth
-                    offers.append(Offer(n, gains[n], ms, heads=n, shared_ms=s.shared * ms))
-            curve = s.curves[key] = (shape, offers)
-        self._curve = curve
-        return curve[1]
-
-    def gains(self, max_nodes: int, factors: tuple[float, ...]) -> np.ndarray:
-        """(F, max_nodes + 1): [f, n] the expected accepted nodes of the best tree of n nodes (`offers`' trees) with
-        the sizer's accuracies times `factors[f]`."""
-        s = self.sizer
-        assert s is not None, "gains of uncalibrated heads"
-        key = ("gains", s.factor[self._samples], self._samples, max_nodes, factors)
-        table = s.curves.get(key)
-        if table is None:
-            table = np.zeros((len(factors), max_nodes + 1))
-            for i, f in enumerate(factors):
-                gains = self._tree(s.factor[self._samples] * f, max_nodes)[1]
-                table[i, : len(gains)] = gains
-                table[i, len(gains) :] = gains[-1]  # a smaller tree than asked for is the whole tree
-            s.curves[key] = table
-        return table
+                    offers.append(Offer(n, gains[n], ms, heads=n, shared_ms=s.shared * ms, shape=tuple(shape[:n])))
+            s.curves[key] = offers
+        return offers
 
     def _tree(self, factor: float, max_nodes: int) -> tuple[list[tuple[int, ...]], list[float]]:
         """The best static tree of at most `max_nodes` nodes with the sizer's rank accuracies times `factor`, and
@@ -172,16 +154,21 @@ class EagleDrafter(SamplingDrafter):
             gains.append(gains[-1] + math.prod(accuracy[d][rank] for d, rank in enumerate(path)))
         return shape, gains
 
-    def size(self, nodes: int) -> None:
-        """Draft `nodes` nodes at the next `propose` (0: none; the queued pairs wait), the tree of `offers`' size:
-        that budget and depth (greedy), that static shape (sampled)."""
-        self.budget = nodes
-        shape = self._curve[0][:nodes]
-        self._sized = tuple(shape)
+    def _size(self, size: Offer) -> None:
+        """Draft `size.nodes` nodes (0: none; the queued pairs wait): the tree of the offer, its budget and depth
+        (greedy), its static shape (sampled)."""
+        self.budget = size.nodes
+        shape = list(size.shape or ())[: size.nodes]
+        self._sized = tuple(shape) if size.shape is not None else None
         if shape:
             self.depth = max(len(path) for path in shape)
             if self._samples:
                 self.shape = shape
+
+    @property
+    def catch_up_ms(self) -> float:
+        """Its backlog's pairs at the sizer's measured ms a pair (0 without a sizer)."""
+        return self._backlog * self.sizer.pair_ms if self.sizer is not None else 0.0
 
     @property
     def backlog(self) -> int:
@@ -250,8 +237,10 @@ class EagleDrafter(SamplingDrafter):
     def propose(self, context: list[int]) -> DraftTree:
         return drive(self.drafting(context))
 
-    def drafting(self, context: list[int]) -> Drafting:
+    def drafting(self, context: list[int], size: Offer | None = None) -> Drafting:
         self._drafted = 0
+        if size is not None:
+            self._size(size)
         if not self.budget:
             return DraftTree()
         if self._pending:  # the pairs of the rounds since the last proposal, in one head forward

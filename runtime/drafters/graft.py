@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.base import Drafter, Offer
 from headstart.runtime.drafters.lookup import LookupDrafter, build_trie
 from headstart.runtime.drafters.options import GraftOptions
 from headstart.runtime.drafters.together import Drafting, drive
@@ -43,25 +43,52 @@ class LookupGraft(Drafter):
         self.name = f"{inner.name}+{self.lookup.name}"  # +lookup, +suffix
         self.feature_layers = inner.feature_layers
         self.alone: tuple[float, int] | None = None  # this round's pool tree drafted alone: expected gain, nodes
+        self.own = 0  # nodes of the inner drafter's in the last tree drafted (they come first)
+        self._found: tuple[int, DraftTree | None, list[float], list[list[int]]] = (-1, None, [], [])  # `found`
 
     def clear(self) -> None:
         self.inner = self.inner.fork()
-        self.alone = None
+        self.alone, self.own, self._found = None, 0, (-1, None, [], [])
+
+    @property
+    def graft(self) -> LookupGraft:
+        return self
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
+        self._found = (-1, None, [], [])
 
     def propose(self, context: list[int]) -> DraftTree:
         return drive(self.drafting(context))
 
-    def drafting(self, context: list[int]) -> Drafting:
-        alone, branches = self.lookup.graft_branches(context)
-        self.alone = None if alone is None else (alone.gain, len(alone.probs))
-        if alone is not None:  # the suffix pool expects more than the inner tree would: it rests this round
-            self.inner.rest()
-            return self.alone_tree(alone, branches)
-        inner = yield from self.inner.drafting(context)
-        return build_trie(branches, self.budget, onto=inner)
+    def found(self, context: list[int]) -> tuple[DraftTree | None, list[float], list[list[int]]]:
+        """The lookup at this context, searched once a round (runtime/sizing values it, then it is drafted): the
+        suffix pool's tree to draft alone (its nodes first, then the request's own lookup branches; None: none)
+        and its nodes' probabilities, else the branches to graft."""
+        if self._found[0] != len(context):
+            alone, branches = self.lookup.graft_branches(context)
+            if alone is None:
+                self._found = (len(context), None, [], branches)
+            else:
+                self._found = (len(context), self.alone_tree(alone, branches), alone.probs, [])
+        return self._found[1:]
+
+    def drafting(self, context: list[int], size: Offer | None = None) -> Drafting:
+        """The inner tree with the lookup branches grafted on, or the suffix pool's tree alone where it expects more.
+        Sized (runtime/sizing): the inner tree of `size.heads` nodes, the branches up to `size.nodes` where
+        `size.graft`, the pool's tree alone where the size is a graft with no heads' nodes."""
+        alone, probs, branches = self.found(context)
+        self.alone, self.own = None, 0
+        if alone is not None and (size is None or (size.graft and not size.heads)):
+            self.inner.rest()  # the pool's tree alone this round: the inner drafter's pairs wait
+            nodes = len(alone) if size is None else min(size.nodes, len(alone))
+            self.alone = (sum(probs[:nodes]), len(probs))
+            return alone.prefix(nodes)
+        inner = yield from self.inner.drafting(context, None if size is None else size._replace(nodes=size.heads))
+        self.own = len(inner)
+        room = self.budget if size is None else min(self.budget, size.nodes - self.own) if size.graft else 0
+        tree = build_trie(branches, room, onto=inner) if room > 0 else inner
+        return tree if size is None else tree.prefix(size.nodes)
 
     def alone_tree(self, alone: Continuations, own: list[list[int]]) -> DraftTree:
         """The suffix pool's nodes first, then the request's own lookup branches (at most `budget` nodes more)."""

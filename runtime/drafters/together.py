@@ -130,8 +130,9 @@ def drive(drafting: Drafting) -> DraftTree:
 
 
 @torch.inference_mode()
-def propose_all(drafters: list, contexts: list[list[int]]) -> list[DraftTree]:
-    """Every sequence's tree (`Drafter.propose` of each), their head forwards batched step by step."""
+def propose_all(drafters: list, contexts: list[list[int]], sizes: list | None = None) -> list[DraftTree]:
+    """Every sequence's tree (`Drafter.drafting` of each, at its size where `sizes` gives them, an `Offer` each:
+    runtime/sizing's plan; None: each its own tree), their head forwards batched step by step."""
     trees: list[DraftTree | None] = [None] * len(drafters)
     running: dict[int, tuple[Drafting, HeadStep]] = {}
 
@@ -143,7 +144,7 @@ def propose_all(drafters: list, contexts: list[list[int]]) -> list[DraftTree]:
             trees[i] = done.value
 
     for i, (d, c) in enumerate(zip(drafters, contexts, strict=True)):
-        advance(i, d.drafting(c), None)
+        advance(i, d.drafting(c, None if sizes is None else sizes[i]), None)
     while running:
         groups: dict[tuple[int, int, int], list[int]] = {}
         for i, (_, step) in running.items():

@@ -1,16 +1,20 @@
-"""A sequence's drafter under the server's budget: it offers trees of several sizes, then drafts the one the
-round's plan gave it (`runtime/sizing/planner.py` chooses; a plan of None is a plain step).
+"""A sequence's drafter under the load budget: it offers trees of several sizes, each valued by what this request's
+rounds accepted so far, and the round's plan hands one back as its size (`runtime/sizing/planner.py` chooses,
+`generate.Batch.round` passes it to `propose_all`; PLAIN: a plain step). The drafter drafts to that size itself
+(`Drafter.drafting`); this wrapper keeps the live record that values the offers.
 
-What each offer is worth comes from the drafter's own evidence:
-- heads with calibrated accuracies (EAGLE's, `EagleDrafter.offers`): the curve of the best static tree, node by
-  node, with the accuracies times this request's own factor: of the factors in GRID, the one at which the
+What each offer is worth comes from the drafter's own evidence, through the interface every drafter has
+(`Drafter.curve`, `catch_up_ms`, `graft`):
+- a drafter with calibrated accuracies (EAGLE's heads, `EagleDrafter.curve`; any drafter that implements `curve`):
+  the curve of the best tree, node by node, with the accuracies times this request's own factor: of the factors in
+  GRID, the one at which the
   trees its rounds drafted (with PRIOR nodes' worth of rounds of a REFERENCE-node tree at the traffic's own
   accuracies) were expected to accept what they did. A request that accepts less than the heads promise soon
   gets smaller trees, one that accepts more, deeper ones: the factor scales each depth's accuracy, so a long
   path gains more than a short one (scaling the curve's gains instead promised a 2-node tree up to 2 nodes and
   the budget chose such trees for requests whose deep paths were the ones accepted). Drafting costs its depth's
-  measured ms plus the head's backlog (the pairs of its plain rounds, entered before it drafts; the prompt's,
-  entered with them at its first drafting, are not charged: `EagleDrafter.backlog`) at the measured ms a pair:
+  measured ms plus its catch-up (`Drafter.catch_up_ms`: a head's backlog, the pairs of its plain rounds, entered
+  before it drafts; the prompt's, entered with them at its first drafting, are not charged: `EagleDrafter.backlog`):
   uncharged, under load a few requests drafted now and then, each paying its whole backlog (bfloat16, 16
   clients: 8 % of sequence-rounds speculated, 0.87x plain);
 - grafted lookup branches (`X+lookup`): the trie found in the context now (its nodes exact), whole and cut to its
@@ -22,25 +26,28 @@ What each offer is worth comes from the drafter's own evidence:
   ~2 ms, it drafted 8-node grafts or none, where 2-node ones make 1.3x plain in-process against 1.2x for 8;
 - a suffix graft whose pool drafts alone (`graft.LookupGraft`): that tree alone, worth the sum of the pool's node
   probabilities (its counts times its measured hit rate: `suffix.py`); taken, the heads rest, as the fixed trees do;
-- any other drafter: its whole tree, of the size and acceptance its rounds so far had (OTHER_PRIOR before any).
-The tree is cut to the plan's nodes (`DraftTree.prefix`), so the width the budget paid for is never exceeded.
+- any other drafter (`curve` empty): its whole tree, of the size and acceptance its rounds so far had (OTHER_PRIOR
+  before any).
+The tree is cut to the size's nodes (`DraftTree.prefix`), so the width the budget paid for is never exceeded.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from headstart.runtime.drafters.base import Drafter, Offer
-from headstart.runtime.drafters.eagle import EagleDrafter
-from headstart.runtime.drafters.graft import LookupGraft
 from headstart.runtime.drafters.lookup import build_trie
 from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.sizing.planner import Price
 from headstart.runtime.tree import DraftTree
+
+if TYPE_CHECKING:
+    from headstart.runtime.drafters.graft import LookupGraft
 
 MAX_NODES = 32  # the largest heads' tree offered
 PRIOR = 2.0  # the curve's expected nodes a request's correction starts from (as if that many were seen)
@@ -55,10 +62,10 @@ class Budgeted(Drafter):
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
         self.name, self.feature_layers = inner.name, inner.feature_layers
-        self.plan: Offer | None = None  # the coming round's tree (`take`); None: plain
         # grafted rounds by depth k: [drafted a (k+1)-th grafted node with the k before it accepted, accepted it]; every
         # request's (the forks share the array)
         self.traffic = np.zeros((2, self.graft.budget if self.graft is not None else 1))
+        self._gains_held: dict[int, tuple[list[Offer], dict[int, np.ndarray]]] = {}  # `_gains`, the forks' too
         self.clear_record()
 
     def clear(self) -> None:
@@ -70,18 +77,12 @@ class Budgeted(Drafter):
         self.factor = 1.0  # this request's factor on the heads' accuracies (`_refit`)
         self.graft_seen = np.zeros_like(self.traffic)  # as `traffic`, this request's rounds
         self.other_seen = [0, 0, 0, 0.0]  # rounds, nodes, accepted nodes, drafting seconds
-        self._found: tuple[int, DraftTree | None, list[float], list[list[int]]] = (-1, None, [], [])  # `_lookup`
-        # this round: the heads' nodes drafted, the plan's heads' nodes, lookup nodes grafted, drafting seconds
+        # this round: the heads' nodes drafted, the size's heads' nodes, lookup nodes grafted, drafting seconds
         self._round: tuple[int, int, int, float] | None = None
-        self._alone: tuple[float, int] | None = None  # this round's suffix pool tree drafted alone: its gain, nodes
-
-    def take(self, plan: Offer | None) -> None:
-        """The coming round's tree (one of `offers`), None: a plain step."""
-        self.plan = plan
 
     @property
     def graft(self) -> LookupGraft | None:
-        return self.inner if isinstance(self.inner, LookupGraft) else None
+        return self.inner.graft
 
     @property
     def heads(self) -> Drafter:
@@ -91,14 +92,30 @@ class Budgeted(Drafter):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
 
     def _curve(self) -> list[Offer]:
-        heads = self.heads
-        return heads.offers(MAX_NODES, self.factor) if isinstance(heads, EagleDrafter) else []
+        return self.heads.curve(MAX_NODES, self.factor)
+
+    def _gains(self, nodes: int) -> np.ndarray:
+        """(G,) the expected accepted nodes of the heads' tree of `nodes` nodes at each factor of GRID (the largest
+        offered tree of at most that many: a smaller tree than asked for is the whole tree). Kept while the heads'
+        curve at factor 1 is the same object (a drafter that caches its curves: every round asks for these, at 16
+        sequences ~2 ms a round computed afresh)."""
+        base = self.heads.curve(MAX_NODES)
+        held = self._gains_held.get(id(base))
+        if held is None or held[0] is not base:  # held: the object itself, so its id is not another's
+            if len(self._gains_held) >= 64:
+                self._gains_held.clear()
+            held = self._gains_held[id(base)] = (base, {})
+        table = held[1]
+        if nodes not in table:
+            curves = [self.heads.curve(MAX_NODES, f) for f in GRID]
+            table[nodes] = np.array([max((o.gain for o in c if o.nodes <= nodes), default=0.0) for c in curves])
+        return table[nodes]
 
     def _refit(self) -> None:
         """This request's factor: the point of GRID at which PRIOR nodes' worth of REFERENCE-node rounds at the
         traffic's accuracies and the trees its rounds drafted were expected to accept what they did (the
         expectation grows with the factor: the nearest point to where it crosses)."""
-        gains = self.heads.gains(MAX_NODES, GRID)[:, REFERENCE]  # (G,)
+        gains = self._gains(REFERENCE)  # (G,)
         accepted, expected = self.curve_seen
         have = PRIOR * gains / gains[GRID.index(1.0)] + expected  # (G,) increasing
         want = PRIOR + accepted
@@ -112,9 +129,8 @@ class Budgeted(Drafter):
         ms (module docstring). At a `price`, those that pass it (no plan takes the rest); where no grafted offer
         could, each at its best (the graft's hit rate on one node), the lookup is not searched."""
         own = self._curve()
-        heads = self.heads
-        if own and heads.backlog:  # the pairs its head must enter before it drafts: paid by the round that drafts
-            catch_up = heads.backlog * heads.sizer.pair_ms
+        catch_up = self.heads.catch_up_ms
+        if own and catch_up:  # what its head must enter before it drafts: paid by the round that drafts
             own = [o._replace(draft_ms=o.draft_ms + catch_up) for o in own]
         if not own:
             rounds, nodes, accepted, seconds = self.other_seen
@@ -136,23 +152,11 @@ class Budgeted(Drafter):
         reached, passed = self.graft_seen
         return np.cumsum(np.cumprod((traffic + passed) / (1 + reached)))
 
-    def _lookup(self, graft: LookupGraft, context: list[int]) -> tuple[DraftTree | None, list[float], list[list[int]]]:
-        """`graft.lookup.graft_branches` at this context, once a round: the suffix pool's tree to draft alone (its
-        nodes first, then the request's own lookup branches; None: none) and its nodes' probabilities, else the
-        branches to graft."""
-        if self._found[0] != len(context):
-            alone, branches = graft.lookup.graft_branches(context)
-            if alone is None:
-                self._found = (len(context), None, [], branches)
-            else:
-                self._found = (len(context), graft.alone_tree(alone, branches), alone.probs, [])
-        return self._found[1:]
-
     def _grafted(self, graft: LookupGraft, own: list[Offer], gains: np.ndarray, context: list[int]) -> list[Offer]:
         """`graft`'s lookup branches found now, whole and cut to GRAFT_SIZES nodes: alone, and onto each of `own`,
         a cut to n nodes worth `gains[n - 1]` accepted nodes. Where the suffix pool drafts alone (`LookupGraft`),
         its tree alone, worth what the pool expects of it."""
-        alone, probs, branches = self._lookup(graft, context)
+        alone, probs, branches = graft.found(context)
         if alone is not None:
             return [Offer(len(alone), sum(probs), 0.0, graft=True)]
         found = len(build_trie(branches, graft.budget))
@@ -165,43 +169,30 @@ class Budgeted(Drafter):
     def propose(self, context: list[int]) -> DraftTree:
         return drive(self.drafting(context))
 
-    def drafting(self, context: list[int]) -> Drafting:
-        plan, self._round, self._alone = self.plan, None, None
-        if plan is None:
-            return DraftTree()
-        graft = self.graft
-        if plan.graft and not plan.heads and graft is not None:
-            alone, probs, _ = self._lookup(graft, context)
-            if alone is not None:  # the suffix pool's tree, the heads resting (their pairs wait)
-                self.heads.rest()
-                self._alone = (sum(probs[: plan.nodes]), len(probs))  # the pool's nodes drafted: their gain, count
-                return alone.prefix(plan.nodes)
-        heads, curve = self.heads, self._curve()
+    def drafting(self, context: list[int], size: Offer | None = None) -> Drafting:
+        """The inner drafter's tree at `size` (one of `offers`; None: its own tree), what it drafted noted for
+        `observe`."""
+        self._round = None
         t0 = time.perf_counter()  # an uncalibrated drafter's own time (a head's steps, drafted together, are not)
-        if curve:
-            heads.size(plan.heads)  # 0: nothing of its own, its queued pairs wait
-            tree = yield from heads.drafting(context)
-        else:
-            tree = (yield from heads.drafting(context)).prefix(plan.heads) if plan.heads else DraftTree()
-        seconds, own = time.perf_counter() - t0, len(tree)
-        if plan.graft and graft is not None:
-            tree = build_trie(self._lookup(graft, context)[2], min(graft.budget, plan.nodes - own), onto=tree)
-        tree = tree.prefix(plan.nodes)
-        self._round = (own, plan.heads, max(len(tree) - own, 0), seconds)
-        return tree
+        tree = yield from self.inner.drafting(context, size)
+        if size is None:
+            return tree
+        graft = self.graft
+        if graft is None or graft.alone is None:  # a round of the pool's tree alone: the graft records it
+            own = graft.own if graft is not None else len(tree)
+            self._round = (own, size.heads, max(len(tree) - own, 0), time.perf_counter() - t0)
+        return tree.prefix(size.nodes)
 
     def finish(self, context: list[int]) -> None:
         self.inner.finish(context)
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
-        if self._alone is not None:  # the pool's round: its own record, not the graft's hit rate
-            self.graft.record_alone(self._alone, path)
-        elif self._round is not None and len(tree):
+        if self._round is not None and len(tree):
             own, sized, grafted, seconds = self._round
             ours = next((k for k, node in enumerate(path) if node >= own), len(path))  # the heads' nodes come first
             if self._curve() and sized:
                 self.curve_seen[0] += ours
-                self.curve_seen[1] += self.heads.gains(MAX_NODES, GRID)[:, sized]
+                self.curve_seen[1] += self._gains(sized)
                 self._refit()
             elif own:
                 seen = self.other_seen

@@ -252,7 +252,7 @@ class LiveSizer:
         catch up with before drafting (`together.measure_catch_up`; the budget charges a request's backlog)."""
         self.curve, self.rank_accuracy, self.draft_ms, self.every = curve, rank_accuracy, draft_ms_per_depth, every
         self.shared, self.pair_ms = shared, pair_ms
-        self.curves: dict[tuple, object] = {}  # the drafters' offers and gains by factor (`EagleDrafter.offers`)
+        self.curves: dict[tuple, object] = {}  # the drafters' offers by factor (`EagleDrafter.curve`)
         first = choose_budget(curve, rank_accuracy, draft_ms_per_depth)
         self.factor = {False: 1.0, True: 1.0}  # sampled? -> factor on the accuracies
         self.choice = {False: first, True: first}

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from headstart.runtime.drafters.base import Drafter
+from headstart.runtime.drafters.base import Drafter, Offer
 from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.tree import DraftTree
@@ -58,10 +58,10 @@ class GatedDrafter(Drafter):
     def propose(self, context: list[int]) -> DraftTree:
         return drive(self.drafting(context))
 
-    def drafting(self, context: list[int]) -> Drafting:
+    def drafting(self, context: list[int], size: Offer | None = None) -> Drafting:
         if not self.speculate() or (self.gate is not None and not self.gate.speculate()):
             return DraftTree()
-        return (yield from self.inner.drafting(context))
+        return (yield from self.inner.drafting(context, size))
 
     def finish(self, context: list[int]) -> None:
         self.inner.finish(context)

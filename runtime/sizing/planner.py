@@ -36,7 +36,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from headstart.runtime.drafters.base import Offer
+from headstart.runtime.drafters.base import PLAIN, Offer
 from headstart.runtime.sizing.batch_cost import BatchCost
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)  # the widths a round may pad to
@@ -150,11 +150,10 @@ def expected_rate(picks: Sequence[Offer | None], longest: int, cost: BatchCost, 
 
 
 class Sized(Protocol):
-    """A drafter the budget sizes (runtime/sizing/budgeted.py)."""
+    """A drafter the budget sizes (runtime/sizing/budgeted.py): the trees it offers now; the plan hands one back to
+    its `drafting` as the round's size."""
 
     def offers(self, context: list[int], price: Price | None = None) -> list[Offer]: ...
-
-    def take(self, plan: Offer | None) -> None: ...
 
 
 class Planner:
@@ -220,15 +219,16 @@ class Planner:
         share = {s: self.overhead_ms(s) for s in {s for _, s, _ in self.tree_rounds}}
         return max(statistics.median((beyond - share[s] * s) / trees for beyond, s, trees in self.tree_rounds), 0.0)
 
-    def __call__(
+    def plan(
         self,
         drafters: Sequence[Sized],
         contexts: Sequence[list[int]],
         aside_s: float = 0.0,
         waiting: int = 0,
         sample: bool = True,
-    ) -> list[Offer | None]:
-        """Give each drafter its plan for the coming round; `aside_s`: seconds since the last plan the loop spent
+    ) -> list[Offer]:
+        """Each drafter's size for the coming round: one of its offers, PLAIN for a plain step (the round hands them
+        to `propose_all`). `aside_s`: seconds since the last plan the loop spent
         on other work than the round's forward and its own steps (the last round's drafting, joiners' prefill);
         `waiting`: joiners that would decode beside them but wait for their prefill (one a round while others
         decode). A round's ms delays them too, so the plan is made as for the batch with them in it, decoding
@@ -251,7 +251,5 @@ class Planner:
         price = Price(plain_rate(n, longest, self.cost, margin, overhead), self.cost.least_node_ms(n), tree_ms)
         offers = [d.offers(c, price) for d, c in zip(drafters, contexts, strict=True)] + [[]] * waiting
         picks = allocate(offers, longest, self.cost, margin, overhead, tree_ms)[1][:b]
-        for d, plan in zip(drafters, picks, strict=True):
-            d.take(plan)
         self._last = (now, forward_ms(picks, longest, self.cost), b, sum(o is not None for o in picks))
-        return picks
+        return [PLAIN if o is None else o for o in picks]

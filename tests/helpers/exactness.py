@@ -44,9 +44,9 @@ def assert_greedy_identity(model, drafter: Drafter, prompts: list[list[int]], ma
     inner = getattr(drafter, "inner", drafter)  # `NAME+lookup` grafts onto NAME's tree, whose nodes come first
     proposed, first_children = 0, set()
 
-    def drafting(context: list[int]):
+    def drafting(context: list[int], size=None):
         nonlocal proposed
-        tree = yield from type(inner).drafting(inner, context)
+        tree = yield from type(inner).drafting(inner, context, size)
         proposed = len(tree)
         return tree
 
