@@ -229,8 +229,8 @@ class Batch:
         target, phases = self.target, Phases()
         staged = self._stage() if self.mix else []
         drafters, contexts = [r.drafter for r in live], [r.context for r in live]
-        sizes = None  # the joiners' prefill and the drafting, as measured: apart from the round's rest
-        if self.planner is not None:
+        sizes = None  # each drafter its own tree
+        if self.planner is not None:  # aside: the joiners' prefill and the drafting, as measured
             waiting = min(len(self.joining), self.target.slots - len(live))  # joiners with a slot, not yet decoding
             sizes = self.planner.plan(drafters, contexts, prefill_s + self._drafted_s, waiting, self._sample)
         self._sample = not staged  # a round whose forward carries a prefill is no sample of a round's cost
