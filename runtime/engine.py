@@ -36,6 +36,7 @@ from headstart.runtime.models import DEFAULT_MODEL, load_model
 from headstart.runtime.paths import cache_dir
 from headstart.runtime.sampling import SamplingParams
 from headstart.runtime.sizing.cost_curve import LiveSizer, calibrated_target, cost_curve
+from headstart.runtime.sizing.planner import Planner
 from headstart.runtime.text import TextDecoder
 from headstart.runtime.tokens import chat_ids, eos_ids
 from headstart.runtime.tree import TreeChoice
@@ -241,16 +242,26 @@ class Engine:
         stats: GenerationStats | None = None,
         drafter: Drafter | None = None,
         deadline: float | None = None,
+        planner: Planner | None = None,
     ) -> Iterator[TextChunk]:
         """The decode loop's rounds as TextChunks; the last one carries the finish reason.
 
         Ends at EOS, after `max_new_tokens`, at the token that completes a stop string (its text is never
         shown), or ("time") at the first round that ends past `deadline` (a `time.perf_counter()` value).
-        `drafter` None: the engine's own.
+        `drafter` None: the engine's own; `planner`: sizes its trees round by round (runtime/sizing/policy.py's
+        `batch_of_one`; None: the drafter's own trees).
         """
         text = RequestText(self.tokenizer, stop, self.eos_ids)
         rounds = stream(
-            self.target, prompt_ids, drafter or self.drafter, sampling, max_new_tokens, self.eos_ids, seed, stats
+            self.target,
+            prompt_ids,
+            drafter or self.drafter,
+            sampling,
+            max_new_tokens,
+            self.eos_ids,
+            seed,
+            stats,
+            planner=planner,
         )
         finish = "length"
         for chunk in rounds:

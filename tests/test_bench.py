@@ -207,6 +207,7 @@ def test_a_workload_is_replayed_in_order_each_method_with_its_own_pool(tiny_mode
     written beside the records and replayed in order; each suffix method's pool starts empty after the warm-up and
     holds every prompt decoded (the warm-up's request cleared out). With --prompts too it is refused."""
     from headstart.runtime import workloads
+    from headstart.runtime.drafters.suffix import pool_of
 
     for name in workloads.WORKLOADS:
         made = workloads.workload(name, 10, seed=3)
@@ -220,7 +221,7 @@ def test_a_workload_is_replayed_in_order_each_method_with_its_own_pool(tiny_mode
     def spy(engine, method, drafters, *rest):
         run = real(engine, method, drafters, *rest)
         if method == "suffix":
-            pools.append(drafters[method].pool.requests)
+            pools.append(pool_of(drafters[method]).requests)  # through the budget's wrapper
             caches.append(rest[4] if len(rest) > 4 else None)  # the warm-up passes none
         return run
 
@@ -241,9 +242,9 @@ def test_a_workload_is_replayed_in_order_each_method_with_its_own_pool(tiny_mode
 
 
 def test_bench_runs_a_speculation_policy_by_name(tiny_model_dir, tmp_path, monkeypatch):
-    """`run_bench(speculation=...)`: the server's policies in-process (a batch of one): under `budget` the load
-    planner sizes every round of a drafter method (and never plain's), greedy tokens stay plain's; `off` and the
-    default (`fixed`: each drafter's own tree) consult no planner."""
+    """`run_bench(speculation=...)`: the server's policies in-process (a batch of one): under `budget`, the default
+    as the server's (None), the load planner sizes every round of a drafter method (and never plain's), greedy tokens
+    stay plain's; `off` and `fixed` (each drafter's own tree) consult no planner."""
     import headstart.runtime.sizing.batch_cost as batch_cost
     from headstart.runtime.sizing.batch_cost import BatchCost
     from headstart.runtime.sizing.planner import Planner
@@ -256,9 +257,9 @@ def test_bench_runs_a_speculation_policy_by_name(tiny_model_dir, tmp_path, monke
     engine.eos_ids = frozenset()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "category": "c", "turns": ["the cat sat on the mat the cat"]}) + "\n")
-    for policy in ("budget", "off", "fixed"):
+    for policy in ("budget", "off", "fixed", None):
         planned.clear()
         _, lookup = bench.run_bench(engine, str(prompts), ["plain", "lookup"], [0.0], 12, speculation=policy)
         assert lookup.same_as_plain, policy
         rounds = lookup.target_passes + 1  # the warm-up's and the prompt's rounds, each consulted once
-        assert (len(planned) >= rounds) == (policy == "budget"), (policy, len(planned))
+        assert (len(planned) >= rounds) == (policy in ("budget", None)), (policy, len(planned))

@@ -178,3 +178,26 @@ def test_generate_demo_bench_and_serve_share_one_default_drafter(tiny_model_dir,
     common.load_engine(parser.parse_args(["generate", "--prompt", "hi"]))  # generate and serve load their engine so
     common.load_engine(parser.parse_args(["generate", "--prompt", "hi", "--model", str(tiny_model_dir)]))
     assert seen == ["eagle+suffix", "none"]
+
+
+def test_generate_sizes_its_trees_as_serve_and_bench_do(capsys, tiny_model_dir, monkeypatch):
+    """`headstart generate`'s default policy is the server's (`budget`: the load planner sizes every round of a
+    drafter); `--speculation fixed` and `off` consult no planner; the tokens are plain's either way (T = 0)."""
+    import headstart.runtime.sizing.batch_cost as batch_cost
+    from headstart.runtime.sizing.batch_cost import BatchCost
+    from headstart.runtime.sizing.planner import Planner
+
+    monkeypatch.setattr(batch_cost, "batch_cost", lambda target, cache: BatchCost.linear(10.0, 0.001, 0.0))
+    planned = []
+    plan = Planner.plan
+    monkeypatch.setattr(Planner, "plan", lambda self, *a, **k: planned.append(1) or plan(self, *a, **k))
+    base = ["generate", "--model", str(tiny_model_dir), "--prompt", "the cat sat on the mat the cat", "--json"]
+    texts = {}
+    for policy in (None, "fixed", "off"):
+        planned.clear()
+        chosen = [] if policy is None else ["--speculation", policy]
+        code, out, _ = run_cli(capsys, *base, "--drafter", "lookup", "--max-new-tokens", "12", *chosen)
+        assert code == 0
+        texts[policy] = json.loads(out)["token_ids"]
+        assert bool(planned) == (policy is None), policy
+    assert texts[None] == texts["fixed"] == texts["off"]

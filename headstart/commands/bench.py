@@ -63,10 +63,9 @@ def add_parsers(sub) -> None:
     b.add_argument(
         "--speculation",
         choices=POLICIES,
-        default="fixed",
-        help="the speculation policy of every drafter method (runtime/sizing/policy.py, a batch of one): fixed, each "
-        "drafter's own tree sized by measured cost (the default here); budget, the load planner `serve` runs by "
-        "default; off, plain",
+        default=None,
+        help="the speculation policy of every drafter method (runtime/sizing/policy.py, a batch of one): budget, the "
+        "load planner (the default, as serve's); fixed, each drafter's own tree sized by measured cost; off, plain",
     )
     b.add_argument(
         "--breakdown",

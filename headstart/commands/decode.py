@@ -9,6 +9,7 @@ import sys
 from headstart.commands import common
 from headstart.runtime.drafters.registry import names, parse_spec
 from headstart.runtime.prompts import Prompt, load_prompts
+from headstart.runtime.sizing.policy import POLICIES
 
 
 def add_parsers(sub) -> None:
@@ -21,6 +22,13 @@ def add_parsers(sub) -> None:
     src.add_argument("--prompts-file", help="JSONL rows with 'turns' (the first turn is used) or 'prompt'")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     common.add_drafter_args(g)
+    g.add_argument(
+        "--speculation",
+        choices=POLICIES,
+        default=None,
+        help="how its trees are sized (runtime/sizing/policy.py): budget, the load planner (the default, as serve's "
+        "and bench's); fixed, the drafter's own tree; off, plain",
+    )
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -56,11 +64,14 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         prompts = load_prompts(args.prompts_file)
 
     from headstart.runtime.generate import GenerationStats
+    from headstart.runtime.sizing.policy import batch_of_one
 
     engine = common.load_engine(args)
+    planner, drafter = batch_of_one(args.speculation, engine.target, engine.drafter)
     for prompt in prompts:
         prompt_ids = engine.encode(prompt.text, chat=not args.raw)
         options = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)
+        options |= dict(drafter=drafter, planner=planner)
         if args.json:
             result = engine.generate(prompt_ids, **options)
             row = {"id": prompt.id, "token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}

@@ -34,7 +34,7 @@ from headstart.runtime.generate import GenerationStats, stream
 from headstart.runtime.prefix_cache import PrefixCache
 from headstart.runtime.prompts import load_prompts
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.sizing.policy import Switches, build_policy, policy_name
+from headstart.runtime.sizing.policy import batch_of_one
 from headstart.runtime.text import TextDecoder
 from headstart.runtime.tokens import pad_id
 
@@ -226,15 +226,16 @@ def run_bench(
     seed: int = 0,
     breakdown: bool = False,
     prefix_cache_gb: float = 0.0,
-    speculation: str = "fixed",
+    speculation: str | None = None,
     **draft_options: str | int | dict | None,
 ) -> list[Record]:
     """Every method on every prompt and temperature; `breakdown`: each record also holds its round's cost per
     phase (`phase_breakdown`; the lm_head timed by hooks, which cost every method alike); `prefix_cache_gb` > 0:
     each of our methods keeps a prefix cache of that size across the prompts, as a server does (empty after the
     warm-up), so that a workload whose prompts start alike is replayed as a server would serve it. `speculation`: the
-    policy each drafter method runs under (runtime/sizing/policy.py, a batch of one): `fixed`, each drafter's own tree
-    sized by measured cost; `budget`, the server's load planner; `off`, plain.
+    policy each drafter method runs under (runtime/sizing/policy.py, a batch of one): `budget`, the server's load
+    planner (None: the default, as the server's); `fixed`, each drafter's own tree sized by measured cost; `off`,
+    plain.
 
     `draft_options` go to every drafter method that takes them (`method_options`): `heads` maps medusa/eagle to
     checkpoint directories (missing ones: the heads shipped for the engine's model), draft_layers, draft_model,
@@ -244,9 +245,8 @@ def run_bench(
     engines = method_engines(engine, options)
     drafters = {m: engines[m].make_drafter(method_spec(m), **o) for m, o in options.items()}
     planners = {}
-    for m, d in drafters.items() if speculation != "fixed" else ():  # fixed, no switches: each drafter as it is
-        policy = policy_name(speculation, Switches(), d.name)
-        planners[m], drafters[m] = build_policy(policy, engines[m].target, d, Switches(), lambda: 1, lambda: 0, 1)
+    for m, d in drafters.items():
+        planners[m], drafters[m] = batch_of_one(speculation, engines[m].target, d)
     prompts = load_prompts(prompts_file, categories, limit_per_category, groups=SPEC_BENCH_GROUPS)
     encoded = [engine.encode(p.text) for p in prompts]
     for method in methods:  # warm-up: first calls pay for allocations and kernel selection

@@ -1,5 +1,5 @@
-"""How rounds speculate, by name: the policy built here; the server's worker only runs it, and `headstart bench
---speculation` runs it in-process (a batch of one).
+"""How rounds speculate, by name: the policy built here; the server's worker only runs it, and `headstart bench` and
+`generate --speculation` run it in-process (a batch of one: `batch_of_one`).
 
     budget   each round, every request's tree sized by the load planner (`planner.py`) over the batched forward's
              measured cost (`batch_cost.py`): the batch-1 tree when the batch is empty, none when it fills the machine
@@ -7,9 +7,12 @@
              requests decoding, more than `step_aside_queue` waiting, recent acceptance under `min_acceptance`
     off      plain decoding
 
-The server's default: `budget`, `fixed` when a switch is given, `off` for the drafter `none`. bench's: `fixed`
-(its figures so far; whether `budget` at a batch of one matches them is not measured yet). Imports no torch until a
-policy is built (the CLI checks a policy's name and switches before it loads a model).
+The default everywhere (`headstart serve`, `bench`, `generate`): `budget`, `fixed` when a switch is given, `off` for
+the drafter `none`. At a batch of one `budget` made what `fixed` makes (`headstart bench --speculation budget|fixed
+--methods plain,eagle+suffix` on the first 8 held-out prompts, twice each, 2026-12-07: float32 1.84x / 1.67x plain
+against 1.64x / 1.66x, bfloat16 1.31x / 1.45x against 1.33x / 1.28x; docs/serving.md), so bench and generate
+default to it too. Imports no torch until a policy is built (the CLI checks a policy's name and switches
+before it loads a model).
 """
 
 from __future__ import annotations
@@ -79,3 +82,12 @@ def build_policy(
         return decoding() <= up_to and (aside is None or waiting() <= aside)
 
     return None, GatedDrafter(drafter, speculate, gate)
+
+
+def batch_of_one(policy: str | None, target, drafter: Drafter) -> tuple[Planner | None, Drafter]:
+    """`build_policy` for one request at a time (`headstart bench`, `generate`): `policy` by name, None the default
+    (`policy_name`)."""
+    chosen = policy_name(policy, Switches(), drafter.name)
+    if chosen == "fixed":  # no switch turns one request's speculation off: the drafter as it is
+        return None, drafter
+    return build_policy(chosen, target, drafter, Switches(), lambda: 1, lambda: 0, 1)
