@@ -426,10 +426,13 @@ void gemm(const T* x, int M, int K, const T* P, const T* bias, T* y, int N) {
             // the next block, in elements from this one: this strips' next inputs, or the next strips' first
             const long next = k1 < K ? (long)(k1 - k0) * LANES : (long)(ns * strip) - (long)k0 * LANES;
             const bool ahead = tiles_n > 1 && (k1 < K || s + ns < end);
-            for (int m = 0, i = 0; i < tiles_n; m += M / tiles_n + (i < M % tiles_n), i++)
-                tiles<T>(M / tiles_n + (i < M % tiles_n), S, x + (size_t)m * K, K, P + s * strip, strip, k0, k1,
-                         parts.data() + (size_t)i * per_tile, bias ? bias + s * LANES : nullptr,
-                         y + (size_t)m * N + s * LANES, N, k1 == K, ahead && i == tiles_n - 1 ? next : 0);
+            for (int m = 0, i = 0; i < tiles_n; i++) {
+                const int R = M / tiles_n + (i < M % tiles_n);  // rows of this tile
+                tiles<T>(R, S, x + (size_t)m * K, K, P + s * strip, strip, k0, k1, parts.data() + (size_t)i * per_tile,
+                         bias ? bias + s * LANES : nullptr, y + (size_t)m * N + s * LANES, N, k1 == K,
+                         ahead && i == tiles_n - 1 ? next : 0);
+                m += R;
+            }
         }
     }
 #pragma omp barrier

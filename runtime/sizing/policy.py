@@ -88,6 +88,4 @@ def batch_of_one(policy: str | None, target, drafter: Drafter) -> tuple[Planner 
     """`build_policy` for one request at a time (`headstart bench`, `generate`): `policy` by name, None the default
     (`policy_name`)."""
     chosen = policy_name(policy, Switches(), drafter.name)
-    if chosen == "fixed":  # no switch turns one request's speculation off: the drafter as it is
-        return None, drafter
     return build_policy(chosen, target, drafter, Switches(), lambda: 1, lambda: 0, 1)
