@@ -91,9 +91,12 @@ bench-vllm: install $(VLLM_VENV)/.installed
 # plain at 1 / 2 / 4 clients where 3 + 8 (the tree before, chosen on a 2-core Xeon) made 1.81x / 1.75x / 1.14x
 SERVE_TREE ?= 2
 SERVE_GRAFT ?= 2
+# every request a prompt no head trained on and no level or repeat sent before (serve_bench.write_unseen), each level 3
+# times with the servers interleaved, medians; SERVE_BENCH_ARGS="--skip N" moves on to prompts no earlier run sent
+SERVE_UNSEEN ?= --unseen --repeats 3
 bench-serve: install $(VLLM_VENV)/.installed
-	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype float32 --tree-budget $(SERVE_TREE) --graft-budget $(SERVE_GRAFT) $(SERVE_BENCH_ARGS)
-	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype auto --skip-vllm --tree-budget $(SERVE_TREE) --graft-budget $(SERVE_GRAFT) $(SERVE_BENCH_ARGS)
+	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype float32 --tree-budget $(SERVE_TREE) --graft-budget $(SERVE_GRAFT) $(SERVE_UNSEEN) $(SERVE_BENCH_ARGS)
+	$(BIN)/python tests/engines/serve_bench.py --vllm-python $(VLLM_VENV)/bin/python --doc docs/benchmarks.md --dtype auto --skip-vllm --tree-budget $(SERVE_TREE) --graft-budget $(SERVE_GRAFT) $(SERVE_UNSEEN) $(SERVE_BENCH_ARGS)
 
 # speculators 0.9.0 (vLLM's training library) in its own venv: its classes read headstart's EAGLE-3 exports, write heads of
 # each variant that headstart loads, and draft the same logits (tests/engines/speculators_check.py). It is installed

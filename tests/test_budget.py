@@ -487,6 +487,41 @@ def test_a_budgeted_drafter_at_a_price_offers_what_passes_and_searches_no_lookup
     assert drafter.offers([*prompt, 3], Price(10.0, 1.0, 1.0)) == [] and searched == []
 
 
+@pytest.mark.parametrize("pool", [False, True])
+def test_no_lookup_is_searched_where_no_graft_it_could_find_passes(monkeypatch, pool):
+    """Where nodes cost more than any cut of a graft is worth (0.7 ms a node at 1 token a ms: a cut to n nodes is
+    worth 0.5, 0.75, 0.875 ... accepted nodes) and the pool's nodes (each worth less than its calibration, at most
+    `pool_nodes` of them) cannot pay either, the lookup is not searched, though the whole graft's gain (~1) would
+    pay for one node (the bound a busy batch searched with in 97 % of its sequence-rounds); cheaper nodes are
+    searched, and what is offered at a price is always every offer that passes it."""
+    from headstart.runtime.drafters.options import SuffixOptions
+    from headstart.runtime.drafters.suffix import SuffixDrafter
+
+    _, drafter, prompt, features = started_eagle_lookup()
+    if pool:  # 8 nodes, each worth less than the calibration 0.5: they may pay at 0.4 ms a node, not at 0.7
+        lookup = SuffixDrafter(SuffixOptions(pool_nodes=8))
+        lookup.pool.expected = 8.0  # nodes expected of its trees so far, none accepted: (8 + 0) / (8 + 8)
+        lookup.pool.add([9, 5, 2, 3, 4, 6])  # it holds what the contexts below end with (5, 2, 3)
+        assert lookup.alone_worth([*prompt, 3]) == (0.5, 8) and lookup.alone_worth([*prompt, 4]) == (0.0, 0)
+        drafter = Budgeted(LookupGraft(drafter.heads.fork(), lookup)).fork()
+        drafter.start(prompt, features)
+    searched = []
+    find = drafter.graft.lookup.graft_branches
+    monkeypatch.setattr(drafter.graft.lookup, "graft_branches", lambda c: searched.append(1) or find(c))
+    every = drafter.offers(prompt)
+    gains = drafter.graft_gains()
+    dear = Price(1.0, 0.7, 0.0)
+    assert gains[-1] > 0.7 and all(gains[n - 1] < 0.7 * n for n in range(1, len(gains) + 1))
+    assert not any(dear.passes(o) for o in every)
+    searched.clear()
+    assert drafter.offers([*prompt, 3], dear) == [] and searched == []
+    for k, price in enumerate((Price(1.0, 0.4, 0.0), Price(0.5, 0.7, 0.0))):  # a cut to 1 node (0.5) pays
+        searched.clear()
+        context = [*prompt, *range(k + 1), 5, 2, 3]  # one token more a time: a new round (`found` is kept a round)
+        offered = drafter.offers(context, price)
+        assert searched == [1] and offered == [o for o in drafter.offers(context) if price.passes(o)]
+
+
 @pytest.mark.parametrize("graft", ["lookup", "suffix"])
 def test_sampling_sized_by_the_budget_follows_the_target(graft):
     """3,000 runs of one prompt at T > 0, each a Budgeted EAGLE+lookup drafter (random heads, sampled trees of

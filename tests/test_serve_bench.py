@@ -56,3 +56,20 @@ def test_a_bench_short_of_memory_stops_before_it_measures():
     serve_bench.check_memory(serve_bench.LEAST_FREE)
     with pytest.raises(SystemExit, match=r"0\.5 GiB of memory left beside the servers"):
         serve_bench.check_memory(serve_bench.LEAST_FREE // 2)
+
+
+def test_unseen_prompts_are_rows_no_head_trained_on_nor_any_tuning_or_spec_bench_set_holds(tmp_path):
+    shared = serve_bench.ROOT.parent / "shared" / "data"
+    if not (shared / "train" / "prompts.jsonl").exists():
+        pytest.skip("no shared prompts")
+    first, later = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    serve_bench.write_unseen(first, 40)
+    serve_bench.write_unseen(later, 20, skip=30)
+    a = [json.loads(line) for line in first.open()]
+    b = [json.loads(line) for line in later.open()]
+    assert len(a) == 40 and a[30:] == b[:10] and len({x["id"] for x in a}) == 40  # one fixed order, skipped into
+    rows = {f"{r['source']}/{r['id']}": r for r in map(json.loads, (shared / "train" / "prompts.jsonl").open())}
+    assert all(rows[x["id"]]["permissive"] is False and rows[x["id"]]["turns"][0] == x["turns"][0] for x in a)
+    tune = (serve_bench.ROOT / "configs" / "tune-prompts.jsonl").read_text()
+    bench = (shared / "eval" / "spec_bench.jsonl").read_text()
+    assert not any(json.dumps(x["turns"][0]) in tune + bench for x in a)

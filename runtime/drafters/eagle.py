@@ -221,9 +221,9 @@ class EagleDrafter(SamplingDrafter):
         self._backlog = 0
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
-        rows = [0, *(i + 1 for i in path)]  # the root and the accepted nodes: their true features
+        rows = [0, *(i + 1 for i in path)] if path else slice(1)  # the root and the accepted nodes: their features
         self._pending.append((hidden[rows].to(self.dtype), [*(tree.tokens[i] for i in path), next_token]))
-        self._backlog += len(rows)
+        self._backlog += 1 + len(path)
         if self.sizer is not None and self._drafted and len(tree):
             ours = next((k for k, node in enumerate(path) if node >= self._drafted), len(path))
             choice = self.sizer.record(self._samples, ours, self._sized)

@@ -73,12 +73,19 @@ class LookupGraft(Drafter):
                 self._found = (len(context), self.alone_tree(alone, branches), alone.probs, [])
         return self._found[1:]
 
+    def alone_worth(self, context: list[int]) -> tuple[float, int]:
+        """The lookup's `alone_worth`: what the pool's tree drafted alone may be worth (runtime/sizing bounds the
+        offers it could make before it searches)."""
+        return self.lookup.alone_worth(context)
+
     def drafting(self, context: list[int], size: Offer | None = None) -> Drafting:
         """The inner tree with the lookup branches grafted on, or the suffix pool's tree alone where it expects more.
         Sized (runtime/sizing): the inner tree of `size.heads` nodes, the branches up to `size.nodes` where
         `size.graft`, the pool's tree alone where the size is a graft with no heads' nodes."""
-        alone, probs, branches = self.found(context)
         self.alone, self.own = None, 0
+        if size is not None and not size.nodes:  # a plain step: nothing searched, the inner drafter told
+            return (yield from self.inner.drafting(context, size))
+        alone, probs, branches = self.found(context)
         if alone is not None and (size is None or (size.graft and not size.heads)):
             self.inner.rest()  # the pool's tree alone this round: the inner drafter's pairs wait
             nodes = len(alone) if size is None else min(size.nodes, len(alone))

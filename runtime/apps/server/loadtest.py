@@ -97,6 +97,11 @@ COUNTERS = {  # /metrics samples summed over their labels: a headstart server's 
     "nodes": ("headstart:spec_decode_num_draft_tokens_total",),
     "cache_queries": ("headstart_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
     "cache_hits": ("headstart_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+    "drafting_s": (  # a round's own drafting: planning and proposing, and the drafters' update after it
+        'headstart_round_phase_seconds_total{phase="propose"}',
+        'headstart_round_phase_seconds_total{phase="observe"}',
+    ),
+    "round_s": ("headstart_round_phase_seconds_total",),
 }
 
 
@@ -136,7 +141,7 @@ def run_level(
         per_client = list(pool.map(client_job, range(clients)))
     wall = time.perf_counter() - t0
     after = server_counts(url)
-    spec, plain, nodes, queries, hits = (after[k] - before[k] for k in COUNTERS)
+    spec, plain, nodes, queries, hits, drafting, rounds = (after[k] - before[k] for k in COUNTERS)
     results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r["status"] == 200]
     lat, ttft = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]
@@ -158,6 +163,7 @@ def run_level(
         "speculated_share": spec / (spec + plain) if spec + plain else 0.0,
         "nodes_per_speculating": nodes / spec if spec else 0.0,
         "prefix_cache_hit_share": hits / queries if queries else 0.0,
+        "drafting_share": drafting / rounds if rounds else 0.0,
     }
 
 
@@ -177,6 +183,7 @@ COLUMNS = [
     ("speculated_share", "speculated", "{:.0%}"),
     ("nodes_per_speculating", "nodes", "{:.1f}"),
     ("prefix_cache_hit_share", "prompt cached", "{:.0%}"),
+    ("drafting_share", "drafting", "{:.1%}"),
 ]
 
 

@@ -117,6 +117,12 @@ class ServerMetrics:
         self.rounds = Counter(
             "headstart_rounds", "target passes, speculative (with a tree) or plain", ["mode"], registry=r
         )
+        self.phases = Counter(
+            "headstart_round_phase_seconds",
+            "seconds of the rounds' phases (generate.PHASES; a round's counted once for each request in it)",
+            ["phase"],
+            registry=r,
+        )
 
     def record_generation(self, stats: GenerationStats) -> None:
         """One finished (or cancelled) generation's statistics."""
@@ -130,6 +136,8 @@ class ServerMetrics:
         self.accepted_tokens.inc(stats.accepted_tokens)
         self.rounds.labels(mode="speculative").inc(stats.spec_steps)
         self.rounds.labels(mode="plain").inc(stats.plain_passes)
+        for phase, seconds in stats.phase_s.items():
+            self.phases.labels(phase=phase).inc(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
