@@ -498,11 +498,11 @@ def test_no_lookup_is_searched_where_no_graft_it_could_find_passes(monkeypatch, 
     from headstart.runtime.drafters.suffix import SuffixDrafter
 
     _, drafter, prompt, features = started_eagle_lookup()
-    if pool:  # 8 nodes, each worth less than the calibration 0.5: they may pay at 0.4 ms a node, not at 0.7
+    if pool:  # 8 nodes, each worth at most the calibration 0.5 times 1 / 2 (one match): they cannot pay at 0.7
         lookup = SuffixDrafter(SuffixOptions(pool_nodes=8))
         lookup.pool.expected = 8.0  # nodes expected of its trees so far, none accepted: (8 + 0) / (8 + 8)
         lookup.pool.add([9, 5, 2, 3, 4, 6])  # it holds what the contexts below end with (5, 2, 3)
-        assert lookup.alone_worth([*prompt, 3]) == (0.5, 8) and lookup.alone_worth([*prompt, 4]) == (0.0, 0)
+        assert lookup.alone_worth([*prompt, 3]) == (0.25, 8) and lookup.alone_worth([*prompt, 4]) == (0.0, 0)
         drafter = Budgeted(LookupGraft(drafter.heads.fork(), lookup)).fork()
         drafter.start(prompt, features)
     searched = []

@@ -134,9 +134,10 @@ class SuffixPool:
             self.recent.append(seconds)
         return found
 
-    def holds(self, context: list[int]) -> bool:
-        """Whether the index holds the window `context` ends with (what `lookup` would start from)."""
-        return len(context) >= NGRAM and _key(context, len(context)) in self.index
+    def entries_at(self, context: list[int]) -> int:
+        """The index's entries for the window `context` ends with (what `lookup` would start from; those of dropped
+        requests included until a lookup removes them)."""
+        return len(self.index.get(_key(context, len(context)), ())) if len(context) >= NGRAM else 0
 
     def _lookup(self, context: list[int], options: SuffixOptions) -> Continuations:
         with self.lock:
@@ -262,12 +263,15 @@ class SuffixDrafter(LookupDrafter):
         return None, _in_turn(own, pooled.branches)
 
     def alone_worth(self, context: list[int]) -> tuple[float, int]:
-        """None where the pool holds no window the context ends with (it could continue nothing); else each of its
-        nodes is worth less than its calibration (and than 1: `_top_nodes`), at most `pool_nodes` of them (the
-        request's own branches drafted with them are worth nothing more)."""
-        if self.pool is None or not self.pool.holds(context):
+        """Nothing where the pool holds no window the context ends with; else, of L matches at most (the window's
+        entries, at most `scan` and `max_matches` of them), each node is worth at most its calibration times
+        L / (L + 1) (and 1: `_top_nodes`), at most `pool_nodes` of them (the request's own branches drafted with
+        them are worth nothing more)."""
+        held = self.pool.entries_at(context) if self.pool is not None else 0
+        matches = min(held, self.options.scan, self.options.max_matches)
+        if not matches:
             return 0.0, 0
-        return min(self.pool.calibration, 1.0), self.options.pool_nodes
+        return min(self.pool.calibration * matches / (matches + 1), 1.0), self.options.pool_nodes
 
     def _found(self, context: list[int]) -> tuple[list[list[int]], Continuations | None]:
         """The request's own lookup branches, and the pool's continuations (None: no pool, or its longest match is

@@ -66,6 +66,7 @@ class Budgeted(Drafter):
         # request's (the forks share the array)
         self.traffic = np.zeros((2, self.graft.budget if self.graft is not None else 1))
         self._by_curve: dict[int, tuple[list[Offer], dict]] = {}  # what `_held` derived from a curve, the forks' too
+        self._grafted_rounds = [0]  # every fork's grafted rounds observed: when `graft_gains` last changed (shared)
         self.clear_record()
 
     def clear(self) -> None:
@@ -79,6 +80,7 @@ class Budgeted(Drafter):
         self.other_seen = [0, 0, 0, 0.0]  # rounds, nodes, accepted nodes, drafting seconds
         # this round: the heads' nodes drafted, the size's heads' nodes, lookup nodes grafted, drafting seconds
         self._round: tuple[int, int, int, float] | None = None
+        self._graft_gains: tuple[int, np.ndarray | None] = (-1, None)  # (`_grafted_rounds` then, `graft_gains`)
 
     @property
     def graft(self) -> LookupGraft | None:
@@ -169,10 +171,14 @@ class Budgeted(Drafter):
         """(graft budget,) the expected accepted nodes of a graft cut to its first 1, 2, ... nodes: the sum over its
         depths of the chance that every grafted node down to that depth is accepted (each depth's share, this
         request's rounds after the traffic's as one round's worth)."""
-        reached, passed = self.traffic
-        traffic = (GRAFT_PRIOR + passed) / (1 + reached)  # (budget,)
-        reached, passed = self.graft_seen
-        return np.cumsum(np.cumprod((traffic + passed) / (1 + reached)))
+        now, gains = self._graft_gains
+        if gains is None or now != self._grafted_rounds[0]:  # kept until a fork observes a grafted round
+            reached, passed = self.traffic
+            traffic = (GRAFT_PRIOR + passed) / (1 + reached)  # (budget,)
+            reached, passed = self.graft_seen
+            gains = np.cumsum(np.cumprod((traffic + passed) / (1 + reached)))
+            self._graft_gains = (self._grafted_rounds[0], gains)
+        return gains
 
     def _grafted(
         self,
@@ -246,6 +252,7 @@ class Budgeted(Drafter):
                 for seen in (self.graft_seen, self.traffic):
                     seen[0] += tried
                     seen[1] += tried & (depth < accepted)
+                self._grafted_rounds[0] += 1
         self.inner.observe(tree, path, hidden, next_token)
 
 
