@@ -20,10 +20,26 @@ from headstart.runtime.drafters.together import drive
 from headstart.runtime.generate import Batch, Request
 from headstart.runtime.sizing.batch_cost import BatchCost, fit_batch_cost, measure_batch_cost
 from headstart.runtime.sizing.budgeted import Budgeted
-from headstart.runtime.sizing.planner import Planner, Price, allocate, expected_rate, plain_rate, plan_ms
+from headstart.runtime.sizing.planner import (
+    Evidence,
+    Planner,
+    Price,
+    allocate,
+    could_beat_plain,
+    expected_rate,
+    plain_rate,
+    plan_ms,
+)
 from headstart.runtime.target import Target
 from headstart.runtime.tree import DraftTree
 from helpers.models import tiny_llama
+
+
+class Toy:
+    """A planner's drafter of given offers: they are all its evidence."""
+
+    def evidence(self, context):
+        return Evidence(self.offers(context))
 
 
 def eagle_like(survival: float, nodes: int, ms_per_depth: float) -> list[Offer]:
@@ -172,7 +188,7 @@ def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_ow
     assert set(fit.errors) == {1, 2, 4, 8, 16} and fit.error(3) == fit.errors[4] and fit.error(5) == fit.errors[8]
     assert fit.error(32) == fit.error(16) == fit.worst_error > 2 * max(fit.error(s) for s in (1, 2, 3, 4))
 
-    class Fixed:
+    class Fixed(Toy):
         def __init__(self, gain: float) -> None:
             self.gain = gain
 
@@ -186,6 +202,56 @@ def test_the_fit_keeps_its_error_at_each_batch_size_and_the_planner_takes_its_ow
         assert all((size.nodes > 0) == speculates for size in sizes), b
 
 
+def test_a_batch_whose_offers_cannot_pay_for_a_width_is_planned_plain_without_making_them():
+    """Before it asks for offers the planner values what they are made of (`Evidence`) at the widths' node prices:
+    where no sum of them can pay for what a width adds to the forward, no plan beats plain and no offer is made (a
+    busy batch plans every round). On random batches both sides of that bound (packed and padded rows, short and
+    long caches, offers alone, cut and grafted, drafted alone) the plan is always `allocate`'s over the offers at the
+    planner's price."""
+    rng = random.Random(0)
+
+    class Counted:
+        def __init__(self, worth: float) -> None:
+            self.own = [
+                Offer(n, rng.uniform(0.0, worth) * n, rng.uniform(0.0, 2.0)) for n in sorted(rng.sample(range(1, 9), 3))
+            ]
+            self.extra = rng.choice([0.0, rng.uniform(0.0, 3.0)])
+            self.cuts = np.cumsum(rng.choices([0.0, rng.uniform(0.0, worth)], k=4)).tolist()
+            self.alone = (rng.uniform(0.0, worth), rng.randint(1, 12)) if rng.random() < 0.3 else (0.0, 0)
+            if rng.random() < 0.25:  # a pool's tree alone is all it has worth drafting
+                self.own = [o._replace(gain=0.0) for o in self.own]
+                self.cuts, self.alone = [0.0] * 4, (min(2 * rng.uniform(0.0, worth), 1.0), rng.randint(1, 12))
+            self.asked = 0
+
+        def every(self) -> list[Offer]:  # what a search may find: every cut, alone and onto every own offer
+            own = [o._replace(draft_ms=o.draft_ms + self.extra) for o in self.own]
+            cuts = [Offer(n, g, 0.0, graft=True) for n, g in enumerate(self.cuts, 1)]
+            onto = [o._replace(nodes=o.nodes + c.nodes, gain=o.gain + c.gain, graft=True) for o in own for c in cuts]
+            worth, most = self.alone
+            alone = [Offer(k, worth * k * 0.999, 0.0, graft=True) for k in range(1, most + 1)]
+            return own + cuts + onto + alone
+
+        def offers(self, context, price=None):
+            self.asked += 1
+            return [o for o in self.every() if price is None or price.passes(o)]
+
+        def evidence(self, context):
+            return Evidence(self.own, self.extra, self.cuts, self.alone)
+
+    rows = {1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0, 32: 28.0, 64: 48.0, 128: 90.0}
+    cases = {True: 0, False: 0}  # asked for offers or not
+    for _ in range(400):
+        cost = BatchCost(rows, 0.004, packed=rng.random() < 0.5)
+        b, longest, worth = rng.randint(1, 12), rng.randint(10, 600), rng.choice([0.01, 0.05, 0.3, 0.6])
+        drafters = [Counted(worth) for _ in range(b)]
+        sizes = Planner(cost).plan(drafters, [[1] * (longest + 1)] * b)
+        price = Price(plain_rate(b, longest, cost), cost.least_node_ms(b), 0.0)  # a new planner's: no overhead seen
+        best = allocate([[o for o in d.every() if price.passes(o)] for d in drafters], longest, cost)[1]
+        assert sizes == [PLAIN if o is None else o for o in best]
+        cases[any(d.asked for d in drafters)] += 1
+    assert min(cases.values()) > 50, cases  # both sides of the bound
+
+
 def test_joiners_waiting_for_their_prefill_are_planned_as_if_decoding_beside():
     """A round's ms delays the joiners waiting for a prefill (one a round while others decode) as much as the
     sequences decoding, so the plan is the one for the batch with them in it, decoding plainly: on a steep curve one
@@ -194,7 +260,7 @@ def test_joiners_waiting_for_their_prefill_are_planned_as_if_decoding_beside():
     cost = BatchCost.linear(50.0, 4.5, 0.002)
     offers = eagle_like(0.7, 16, 3.0)
 
-    class Fixed:
+    class Fixed(Toy):
         def offers(self, context, price=None):
             return offers
 
@@ -216,7 +282,7 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     cost = BatchCost.linear(10.0, 0.0, 0.0)  # 10 ms a forward whatever its rows
     offers = [Offer(1, 0.5, 0.0, heads=1), Offer(4, 1.5, 8.0, heads=4)]  # 1 node, free; 4 nodes, 8 ms to draft
 
-    class Fixed:
+    class Fixed(Toy):
         def __init__(self) -> None:
             self.offered = offers
 
@@ -280,7 +346,7 @@ def test_drafting_as_the_loop_measured_it_is_no_rounds_overhead():
     now = [0.0]
     planner = Planner(cost, clock=lambda: now[0])
 
-    class Drafting:
+    class Drafting(Toy):
         def offers(self, context, price=None):
             return [Offer(1, 0.9, 1.0, heads=1)]
 
@@ -363,6 +429,7 @@ def test_what_grafts_are_worth_is_learnt_from_every_request():
     depth = (GRAFT_PRIOR + passed) / (1 + reached)  # a new request's rates are the traffic's
     assert [o.gain for o in grafts] == pytest.approx([np.cumprod(depth)[: o.nodes].sum() for o in grafts])
     base.traffic[:] = [[10] * 8, [9] * 8]  # ten grafted rounds, each depth accepted 9 times in 10
+    base._grafted_rounds[0] += 1  # as `observe` does: the forks' kept gains are stale
     grafts = [o for o in base.fork().offers([3, 5, 7, 3, 5, 7, 3]) if o.graft and not o.heads]
     assert [o.gain for o in grafts] == pytest.approx(
         [sum((9.5 / 11) ** k for k in range(1, o.nodes + 1)) for o in grafts]
@@ -520,6 +587,42 @@ def test_no_lookup_is_searched_where_no_graft_it_could_find_passes(monkeypatch, 
         context = [*prompt, *range(k + 1), 5, 2, 3]  # one token more a time: a new round (`found` is kept a round)
         offered = drafter.offers(context, price)
         assert searched == [1] and offered == [o for o in drafter.offers(context) if price.passes(o)]
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_a_budgeted_drafters_evidence_values_every_offer_it_makes(pool):
+    """`Budgeted.evidence` (found without searching the lookup) values every offer it makes: a batch of such
+    drafters that `could_beat_plain` rules out has, at random prices and batch costs, no offer whose surplus at its
+    width's node price could pay for that width, on contexts whose lookup finds branches (and, with a pool, the
+    pool's tree drafted alone)."""
+    from headstart.runtime.drafters.options import SuffixOptions
+    from headstart.runtime.drafters.suffix import SuffixDrafter
+
+    rng = random.Random(1)
+    _, drafter, prompt, features = started_eagle_lookup()
+    if pool:  # continuations that the pool drafts alone (alone_gain 0.5), of the prompt's own tokens
+        lookup = SuffixDrafter(SuffixOptions(alone_gain=0.5, min_prob=0.0))
+        for _ in range(3):
+            lookup.pool.add([*prompt, 3, 4, 6, 1, 5, 2, 7, 9])
+        drafter = Budgeted(LookupGraft(drafter.heads.fork(), lookup)).fork()
+        drafter.start(prompt, features)
+    rows = {1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 18.0, 32: 28.0, 64: 48.0, 128: 90.0}
+    alone = ruled_out = 0
+    for k in range(200):
+        context = [*prompt, *rng.choices([1, 5, 2, 7, 3], k=k % 5), 1, 5, 2]
+        cost = BatchCost(rows, rng.uniform(0.0, 0.01), packed=rng.random() < 0.5)
+        n, longest = rng.randint(1, 16), rng.randint(10, 600)
+        price = Price(rng.uniform(0.01, 2.0), cost.least_node_ms(n), rng.uniform(0.0, 2.0))
+        every = drafter.offers(context)
+        alone += any(o.graft and not o.heads and o.nodes > 8 for o in every)
+        if could_beat_plain([drafter.evidence(context)] * n, price, cost, longest, n):
+            continue
+        ruled_out += 1
+        for o in every:  # alone at its width w, n such offers cannot pay for the width
+            w = o.nodes
+            gain = o.gain - price.rate * (o.draft_ms - o.shared_ms + price.tree_ms + cost.node_ms(n, w) * o.nodes)
+            assert n * gain <= price.rate * (cost.base_ms(n, w, longest) - cost.base_ms(n, 0, longest)) + 1e-9, (k, o)
+    assert 10 < ruled_out < 190 and (alone > 0 if pool else alone == 0), (ruled_out, alone)
 
 
 @pytest.mark.parametrize("graft", ["lookup", "suffix"])

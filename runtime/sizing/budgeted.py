@@ -43,7 +43,7 @@ from headstart.runtime.drafters.base import Drafter, Offer
 from headstart.runtime.drafters.lookup import build_trie
 from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.sizing.planner import Price
+from headstart.runtime.sizing.planner import Evidence, Price
 from headstart.runtime.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class Budgeted(Drafter):
         self.traffic = np.zeros((2, self.graft.budget if self.graft is not None else 1))
         self._by_curve: dict[int, tuple[list[Offer], dict]] = {}  # what `_held` derived from a curve, the forks' too
         self._grafted_rounds = [0]  # every fork's grafted rounds observed: when `graft_gains` last changed (shared)
+        self._traffic_gains: list = [(-1, None)]  # `graft_gains` of a request with no grafted round yet (shared)
         self.clear_record()
 
     def clear(self) -> None:
@@ -81,6 +82,7 @@ class Budgeted(Drafter):
         # this round: the heads' nodes drafted, the size's heads' nodes, lookup nodes grafted, drafting seconds
         self._round: tuple[int, int, int, float] | None = None
         self._graft_gains: tuple[int, np.ndarray | None] = (-1, None)  # (`_grafted_rounds` then, `graft_gains`)
+        self._grafts = 0  # this request's grafted rounds observed
 
     @property
     def graft(self) -> LookupGraft | None:
@@ -152,6 +154,18 @@ class Budgeted(Drafter):
                 out += self._grafted(graft, own, catch_up, columns, gains, context, price)
         return out
 
+    def evidence(self, context: list[int]) -> Evidence:
+        """What `offers` makes its offers of (`planner.Evidence`), without searching the lookup: the heads' curve
+        (or the whole tree's offer) and its catch-up, the graft's cuts, the pool's tree alone (`alone_worth`)."""
+        own = self._curve()
+        catch_up = self.heads.catch_up_ms if own else 0.0
+        if not own:
+            own = self._own()[0]
+        graft = self.graft
+        if graft is None:
+            return Evidence(own, catch_up)
+        return Evidence(own, catch_up, self.graft_gains(), graft.alone_worth(context))
+
     def _own(self) -> tuple[list[Offer], float, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The drafter's own offers (`curve`, or one of its whole tree as its rounds so far had it), the catch-up
         ms to add to each one's drafting, and their nodes, gains and own ms (catch-up in, shared part out) as
@@ -171,13 +185,17 @@ class Budgeted(Drafter):
         """(graft budget,) the expected accepted nodes of a graft cut to its first 1, 2, ... nodes: the sum over its
         depths of the chance that every grafted node down to that depth is accepted (each depth's share, this
         request's rounds after the traffic's as one round's worth)."""
-        now, gains = self._graft_gains
+        held = self._graft_gains if self._grafts else self._traffic_gains[0]  # alike for every request yet to graft
+        now, gains = held
         if gains is None or now != self._grafted_rounds[0]:  # kept until a fork observes a grafted round
             reached, passed = self.traffic
             traffic = (GRAFT_PRIOR + passed) / (1 + reached)  # (budget,)
             reached, passed = self.graft_seen
             gains = np.cumsum(np.cumprod((traffic + passed) / (1 + reached)))
-            self._graft_gains = (self._grafted_rounds[0], gains)
+            if self._grafts:
+                self._graft_gains = (self._grafted_rounds[0], gains)
+            else:
+                self._traffic_gains[0] = (self._grafted_rounds[0], gains)
         return gains
 
     def _grafted(
@@ -253,6 +271,7 @@ class Budgeted(Drafter):
                     seen[0] += tried
                     seen[1] += tried & (depth < accepted)
                 self._grafted_rounds[0] += 1
+                self._grafts += 1
         self.inner.observe(tree, path, hidden, next_token)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import platform
 import statistics
 import sys
@@ -186,15 +187,13 @@ def choose_budget(
     """The budget B with the most expected tokens per ms: tokens = the expected acceptance length of the best
     tree of B nodes under `rank_accuracy` (p that head/depth d's rank-r guess is right); ms = the forward over
     B + 1 rows (`curve`) + `draft_ms_per_depth` times that tree's depth."""
-    best = None
-    for budget in range(1, max_budget + 1):
-        shape = choose_tree_shape(rank_accuracy, budget)
-        if len(shape) < budget:  # no more nodes with a chance of acceptance
-            break
-        depth = max(len(path) for path in shape)
-        tokens = expected_acceptance_length(rank_accuracy, shape)
+    best, tokens, depth = None, 1.0, 0
+    full = choose_tree_shape(rank_accuracy, max_budget)  # best first: the best tree of B nodes is its first B
+    for budget, path in enumerate(full, start=1):  # (one tree, not one a budget: the live sizer refits under load)
+        tokens += math.prod(rank_accuracy[d][rank] for d, rank in enumerate(path))  # `expected_acceptance_length`
+        depth = max(depth, len(path))
         ms = cost_at(curve, budget + 1) + draft_ms_per_depth * depth
-        choice = TreeChoice(budget, depth, tokens, ms, cost_at(curve, 1), tuple(shape))
+        choice = TreeChoice(budget, depth, tokens, ms, cost_at(curve, 1), tuple(full[:budget]))
         if best is None or tokens / ms > best.expected_tokens / best.round_ms:
             best = choice
     if best is None:
