@@ -43,7 +43,7 @@ from headstart.runtime.drafters.base import Drafter, Offer
 from headstart.runtime.drafters.lookup import build_trie
 from headstart.runtime.drafters.together import Drafting, drive
 from headstart.runtime.sampling import SamplingParams
-from headstart.runtime.sizing.planner import Evidence, Price
+from headstart.runtime.sizing.planner import Evidence, Price, graft_surplus
 from headstart.runtime.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -141,26 +141,27 @@ class Budgeted(Drafter):
     def offers(self, context: list[int], price: Price | None = None) -> list[Offer]:
         """The trees this sequence can draft this round, each with its nodes, expected accepted nodes and drafting
         ms (module docstring). At a `price`, those that pass it (no plan takes the rest); where no grafted offer
-        could, whatever the lookup finds (`_graft_surplus`), the lookup is not searched. The offers meet the price
-        as arrays and only those that pass are built: a busy batch asks every sequence every round."""
+        could, whatever the lookup finds (`planner.graft_surplus`), the lookup is not searched. The offers meet the
+        price as arrays and only those that pass are built: a busy batch asks every sequence every round."""
         own, catch_up, columns = self._own()
         nodes, gain, spend = columns
-        passing = np.ones(len(own), dtype=bool) if price is None else price.beaten(gain, spend, nodes)
-        out = [o._replace(draft_ms=o.draft_ms + catch_up) for o, k in zip(own, passing, strict=True) if k]
+        out = [
+            o._replace(draft_ms=o.draft_ms + catch_up)
+            for o, k in zip(own, _passing(price, gain, spend, nodes), strict=True)
+            if k
+        ]
         graft = self.graft
         if graft is not None:
             gains = self.graft_gains()
-            if price is None or _graft_surplus(graft, gains, columns, price, context) > -1e-9:  # rounding
+            evidence = Evidence(own, catch_up, gains, graft.alone_worth(context))
+            if price is None or graft_surplus(evidence, price) > -1e-9:  # (rounding)
                 out += self._grafted(graft, own, catch_up, columns, gains, context, price)
         return out
 
     def evidence(self, context: list[int]) -> Evidence:
         """What `offers` makes its offers of (`planner.Evidence`), without searching the lookup: the heads' curve
         (or the whole tree's offer) and its catch-up, the graft's cuts, the pool's tree alone (`alone_worth`)."""
-        own = self._curve()
-        catch_up = self.heads.catch_up_ms if own else 0.0
-        if not own:
-            own = self._own()[0]
+        own, catch_up, _ = self._own()
         graft = self.graft
         if graft is None:
             return Evidence(own, catch_up)
@@ -283,28 +284,3 @@ def _columns(offers: list[Offer]) -> np.ndarray:
 def _passing(price: Price | None, gain: np.ndarray, own_ms: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     """Which offers (as arrays: their gains, own ms and nodes) pass `price` (None: every one)."""
     return np.ones(np.shape(gain), dtype=bool) if price is None else price.beaten(gain, own_ms, nodes)
-
-
-def _graft_surplus(
-    graft: LookupGraft,
-    gains: np.ndarray,
-    columns: tuple[np.ndarray, np.ndarray, np.ndarray],
-    price: Price,
-    context: list[int],
-) -> float:
-    """The largest surplus at `price` of any offer `_grafted` could make, whatever the lookup finds: branches cut to
-    n nodes, n = 1 .. the graft's budget (a search may find any), worth `gains[n - 1]`, alone or onto one of the
-    heads' offers (`columns`: their nodes, gains and own ms; a cut adds its own surplus less `tree_ms` to theirs);
-    the pool's tree alone, each of its nodes worth less than `alone_worth`'s, at most its count of them. Exact for
-    the branches up to rounding: a bound looser than this (the whole graft's gain for one node) had a busy batch
-    search the lookup in 97 % of its sequence-rounds, where none passed."""
-    n = np.arange(1, len(gains) + 1)
-    nodes, gain, spend = columns
-    cuts = price.surplus(gains, 0.0, n)  # (budget,) each cut alone
-    best = max(
-        float(cuts.max()), float(price.surplus(gain, spend, nodes).max() + cuts.max() + price.rate * price.tree_ms)
-    )
-    worth, most = graft.alone_worth(context)
-    if most:  # a surplus linear in the pool's nodes: largest at one or at all of them
-        best = max(best, float(price.surplus(worth, 0.0, 1)), float(price.surplus(worth * most, 0.0, most)))
-    return best

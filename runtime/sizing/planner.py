@@ -59,11 +59,6 @@ class Price(NamedTuple):
         """Whether `gain` accepted nodes for `own_ms` of drafting (beyond the shared part) and `nodes` pass."""
         return gain > self.rate * (own_ms + self.tree_ms + self.node_ms * nodes)
 
-    def surplus(self, gain: float, own_ms: float, nodes: int) -> float:
-        """The tokens `gain` accepted nodes leave above what `own_ms` of drafting and `nodes` cost at this price (> 0:
-        they pass; arrays too)."""
-        return gain - self.rate * (own_ms + self.tree_ms + self.node_ms * nodes)
-
 
 def plain_rate(b: int, longest: int, cost: BatchCost, margin: float = 0.0, overhead_ms: float = 0.0) -> float:
     """Tokens per ms of a plain round of `b` sequences, times (1 + margin): what a plan must beat."""
@@ -195,40 +190,76 @@ def could_beat_plain(evidence: Sequence[Evidence], price: Price, cost: BatchCost
     for low, high in BOUNDED_WIDTHS:
         tiers.append(Tier(high, min(cost.node_ms(n, w) for w in range(low, high + 1)) if high else price.node_ms))
         need.append(price.rate * (cost.base_ms(n, low, longest) - cost.base_ms(n, 0, longest)))
-    rate, tree = price.rate, price.tree_ms
-    valued: dict[int, tuple[object, list[tuple[float, float]]]] = {}  # id -> (object, per tier: best, best below)
+    valued: dict[int, tuple[object, list[tuple[float, float]]]] = {}  # id -> (object, `_bests`)
 
-    def best(offers: Sequence[tuple[int, float, float]]) -> list[tuple[float, float]]:  # (nodes, gain, own ms)
-        out = []
-        for tier in tiers:
-            cap, top, below = tier.nodes if tier.nodes is not None else math.inf, -math.inf, -math.inf
-            for k, gain, own_ms in offers:
-                if k <= cap:
-                    value = gain - rate * (own_ms + tree + tier.node_ms * k)
-                    top = max(top, value)
-                    below = max(below, value) if k <= cap - 1 else below
-            out.append((top, below))
-        return out
-
-    def held(obj, make) -> list[tuple[float, float]]:
+    def held(obj, items) -> list[tuple[float, float]]:
         got = valued.get(id(obj))
         if got is None or got[0] is not obj:
-            got = valued[id(obj)] = (obj, make())
+            got = valued[id(obj)] = (obj, _bests(items(), price, tiers))
         return got[1]
 
     found = [0.0] * len(tiers)
     for e in evidence:
-        own = held(e.own, lambda e=e: best([(o.nodes, o.gain, o.draft_ms - o.shared_ms) for o in e.own]))
-        cuts = held(e.cuts, lambda e=e: best([(k, g, 0.0) for k, g in enumerate(e.cuts, 1)]))
-        worth, most = e.alone
+        own, cuts = held(e.own, lambda e=e: _own_items(e)), held(e.cuts, lambda e=e: _cut_items(e))
         for t, tier in enumerate(tiers):
-            (top, below), (cut, cut_below) = own[t], cuts[t]
-            value = max(top - rate * e.extra_ms, cut, below - rate * e.extra_ms + cut_below + rate * tree)
-            if most:
-                k = min(most, tier.nodes or most)
-                value = max(value, worth - rate * (tree + tier.node_ms), worth * k - rate * (tree + tier.node_ms * k))
-            found[t] += max(value, 0.0)
+            found[t] += max(_tier_surplus(e, own[t], cuts[t], price, tier), 0.0)
     return any(f > m * (1 - 1e-9) for f, m in zip(found, need, strict=True))  # a tie: taken as one that could
+
+
+def graft_surplus(e: Evidence, price: Price) -> float:
+    """The largest surplus at `price` of any grafted offer `e` allows, whatever a lookup finds (a drafter searches
+    its lookup only above 0: a bound looser than this, the whole graft's gain for one node, had a busy batch
+    search in 97 % of its sequence-rounds, where none passed)."""
+    tier = Tier(None, price.node_ms)
+    [own], [cuts] = _bests(_own_items(e), price, [tier]), _bests(_cut_items(e), price, [tier])
+    return _tier_surplus(e, own, cuts, price, tier, grafts_only=True)
+
+
+def _own_items(e: Evidence) -> list[tuple[int, float, float]]:
+    return [(o.nodes, o.gain, o.draft_ms - o.shared_ms) for o in e.own]  # (nodes, gain, own ms), catch-up apart
+
+
+def _cut_items(e: Evidence) -> list[tuple[int, float, float]]:
+    return [(k, g, 0.0) for k, g in enumerate(e.cuts, 1)]
+
+
+def _bests(items: Sequence[tuple[int, float, float]], price: Price, tiers: Sequence[Tier]) -> list[tuple[float, float]]:
+    """For each tier, the largest surplus at `price` of the (nodes, gain, own ms) `items` of at most the tier's nodes
+    (each node at its node_ms), and of those of one node fewer (-inf: none)."""
+    out = []
+    for tier in tiers:
+        cap, top, below = tier.nodes if tier.nodes is not None else math.inf, -math.inf, -math.inf
+        for k, gain, own_ms in items:
+            if k <= cap:
+                value = gain - price.rate * (own_ms + price.tree_ms + tier.node_ms * k)
+                top = max(top, value)
+                below = max(below, value) if k <= cap - 1 else below
+        out.append((top, below))
+    return out
+
+
+def _tier_surplus(
+    e: Evidence,
+    own: tuple[float, float],
+    cuts: tuple[float, float],
+    price: Price,
+    tier: Tier,
+    grafts_only: bool = False,
+) -> float:
+    """The largest surplus at `price` of an offer of at most the tier's nodes that `e` allows (`own`, `cuts`: the
+    `_bests` of its own offers and of its cuts at this tier): an own offer (its catch-up added), a cut alone, a cut
+    onto an own offer (both of one node fewer, the tree paid once), the pool's tree alone (a surplus linear in its
+    nodes: largest at one or at all of them); `grafts_only`: of the grafted offers alone."""
+    rate, tree = price.rate, price.tree_ms
+    (top, below), (cut, cut_below) = own, cuts
+    value = max(cut, below - rate * e.extra_ms + cut_below + rate * tree)
+    if not grafts_only:
+        value = max(value, top - rate * e.extra_ms)
+    worth, most = e.alone
+    if most:
+        k = min(most, tier.nodes or most)
+        value = max(value, worth - rate * (tree + tier.node_ms), worth * k - rate * (tree + tier.node_ms * k))
+    return value
 
 
 class Sized(Protocol):
