@@ -361,7 +361,9 @@ def test_the_cost_model_is_measured_on_the_target_and_leaves_its_cache_empty():
     torch.manual_seed(0)
     target = Target(tiny_llama(), slots=4)
     cost = measure_batch_cost(target, reps=2)
-    assert min(cost.rows.values()) > 0 and cost.c >= 0 and cost.forward_ms(4, 7, 300) >= cost.forward_ms(1, 0, 64) > 0
+    # a term may fit to 0 (under load the per-sequence term once took all of a row's time), never below it
+    assert min(cost.rows.values()) >= 0 and cost.c >= 0 and cost.d >= 0 and cost.e >= 0
+    assert cost.forward_ms(4, 7, 300) >= cost.forward_ms(1, 0, 64) > 0
     assert cost.worst_error >= 0 and target.lengths == [0, 0, 0, 0] and target.cache.nbytes() == 0
 
 

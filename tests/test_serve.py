@@ -264,6 +264,7 @@ def test_speculation_steps_aside_when_the_queue_fills(tiny_model_dir):
         sequential = [ask(i) for i in range(4)]  # alone: plain rounds only where lookup finds no match
         plain_alone = live.metric("headstart_rounds_total", mode="plain")
         spec_alone = live.metric("headstart_rounds_total", mode="speculative")
+        live.gather(4)
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(ask, range(4))) == sequential
         plain_busy = live.metric("headstart_rounds_total", mode="plain") - plain_alone
@@ -424,6 +425,7 @@ def test_requests_in_a_batch_each_draft_their_own_tree(tiny_model_dir, drafter):
 
         alone = [ask(i) for i in range(4)]
         spec_alone = live.metric("headstart_rounds_total", mode="speculative")
+        live.gather(4)
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(ask, range(4)))
         return alone, together, spec_alone, live.metric("headstart_rounds_total", mode="speculative") - spec_alone

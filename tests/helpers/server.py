@@ -63,6 +63,21 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=20)
 
+    def gather(self, n: int) -> None:
+        """The next round waits until `n` requests are in the batch or queued behind it (the first to arrive is
+        prefilled alone, the rest join the round after), so `n` requests sent at once share the batch however
+        fast the tiny model answers them one by one."""
+        worker = self.app.state.worker
+        batch = worker.batch
+        round_ = batch.round
+
+        def gathered():
+            del batch.round  # once: the class's round from here on
+            wait_until(lambda: len(worker.running) + worker.jobs.qsize() >= n, what=f"{n} requests at once")
+            return round_()
+
+        batch.round = gathered
+
     def client(self, api_key: str = "unused") -> OpenAI:
         return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
 
