@@ -163,12 +163,12 @@ class Batch:
     `prefill_chunk`: prompt tokens a round prefills while others decode (None: `PREFILL_CHUNK`); `kv_budget`:
     bytes the KV cache may hold (None: no limit), a joiner waits until it fits; `prefix`: a shared prefix;
     `prefix_cache`: leavers' prompts kept, joiners' starts copied from it (`runtime/prefix_cache.py`; None: none);
-    `planner`: sizes every decoding sequence's tree before each round (`plan`: from their drafters, their contexts,
-    the seconds spent aside since the last plan, this round's prefill and the last round's drafting, the joiners
-    waiting for a prefill, and whether the last round's time is a sample of a round's cost), the sizes handed to
-    `propose_all` (`runtime/sizing/planner.Planner`; None: each drafter drafts its own tree). `mix`: while others
-    decode, joiners' prompt chunks ride in the round's forward (`Target.verify_batch`'s prefills; None: where the
-    target can, `Target.mixes_prefill`), else each chunk is a forward of its own before the round."""
+    `planner`: sizes every decoding sequence's tree before each round (`plan`: from their drafters, their contexts, this
+    round's prefill seconds, the joiners waiting for a prefill, and whether the last round's time is a sample of a
+    round's cost), the sizes handed to `propose_all`; it is told what the round committed and how long its drafting took
+    (`observe`) (`runtime/sizing/planner.Planner`; None: each drafter drafts its own tree). `mix`: while others decode,
+    joiners' prompt chunks ride in the round's forward (`Target.verify_batch`'s prefills; None: where the target can,
+    `Target.mixes_prefill`), else each chunk is a forward of its own before the round."""
 
     def __init__(
         self,
@@ -185,7 +185,6 @@ class Batch:
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
         self.mix = target.mixes_prefill if mix is None else mix
         self.decoding: list[Request] = []  # in slots 0, 1, ...
-        self._drafted_s = 0.0  # the last round's propose phase (the planner's aside)
         self._sample = True  # the last round's time is a sample of a round's cost (no prefill rode in its forward)
         self.joining: list[Request] = []  # waiting, the first one prefilling in the slot after the decoding ones
 
@@ -224,15 +223,14 @@ class Batch:
         prefill_s = time.perf_counter() - t0
         live = list(self.decoding)
         if not live:
-            self._drafted_s = 0.0
             return []
         target, phases = self.target, Phases()
         staged = self._stage() if self.mix else []
         drafters, contexts = [r.drafter for r in live], [r.context for r in live]
         sizes = None  # each drafter its own tree
-        if self.planner is not None:  # aside: the joiners' prefill and the drafting, as measured
+        if self.planner is not None:
             waiting = min(len(self.joining), self.target.slots - len(live))  # joiners with a slot, not yet decoding
-            sizes = self.planner.plan(drafters, contexts, prefill_s + self._drafted_s, waiting, self._sample)
+            sizes = self.planner.plan(drafters, contexts, prefill_s, waiting, self._sample)
         self._sample = not staged  # a round whose forward carries a prefill is no sample of a round's cost
         trees = propose_all(drafters, contexts, sizes)  # heads' forwards batched
         trees = [
@@ -240,7 +238,6 @@ class Batch:
             for r, t in zip(live, trees, strict=True)
         ]
         phases.lap("propose")
-        self._drafted_s = phases.s["propose"]
         layers = _feature_layers(live + [r for r, _ in staged])
         prefills = [
             Prefill(r.slot, r.prompt_ids[r.cached : r.cached + n], r.cached + n == len(r.prompt_ids)) for r, n in staged
@@ -256,6 +253,8 @@ class Batch:
         for r, t, v, a in zip(live, trees, verified, accepted, strict=True):
             r.drafter.observe(t, a.path, _own(v.hidden, r.drafter, layers), a.next_token)
         phases.lap("observe")
+        if self.planner is not None:
+            self.planner.observe(sum(len(a.path) + 1 for a in accepted), phases.s["propose"])
         split = _split_verify(phases.s, verified[0])  # the forward's mask and lm_head seconds are the batch's
         out = [(r, _emit(r, t, a, phases.s, split)) for r, t, a in zip(live, trees, accepted, strict=True)]
         for (r, n), p, v in zip(staged, prefills, chunks, strict=True):

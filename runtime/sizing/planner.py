@@ -170,22 +170,24 @@ class Tier(NamedTuple):
     node_ms: float
 
 
-BOUNDED_WIDTHS = ((1, 1), (2, 2), (3, 7), (8, None))  # the ranges of widths `could_beat_plain` checks apart
+BOUNDED_WIDTHS = ((1, 1), (2, 2), (3, 7), (8, None))  # the ranges of widths `who_could_pay` checks apart
 
 
-def could_beat_plain(evidence: Sequence[Evidence], price: Price, cost: BatchCost, longest: int, n: int) -> bool:
-    """Whether any plan with a tree could beat plain decoding for the `n` sequences (those with `evidence` and the
-    rest offering nothing); where none could, `allocate` plans none and the drafters need not make their offers (a
-    busy batch plans every round: 16 sequences' offers cost ~1 ms of a 40 ms bfloat16 round in-process, where none
-    was taken, and served the drafting was 3.6-5.8 % of the rounds' time).
+def who_could_pay(evidence: Sequence[Evidence], price: Price, cost: BatchCost, longest: int, n: int) -> list[bool]:
+    """Which of the sequences with `evidence` (of `n`, the rest offering nothing) could have an offer taken by a plan
+    that beats plain decoding: `allocate` plans no tree for the others, so they need not make their offers (a busy
+    batch plans every round: 16 sequences' offers cost ~1 ms of a 40 ms bfloat16 round in-process, where none was
+    taken, and served the drafting was 3.6-5.8 % of the rounds' time); all False where no plan could beat plain.
 
     A plan at width w beats the plain rate P only if its trees' surpluses at P (their nodes at the width's node
     price) sum above P times what the width adds to the forward (`allocate`'s rate: (n + sum gain) / (base_w +
     sum cost) > P, and n <= P base_0). Checked over the ranges of BOUNDED_WIDTHS: each sequence's best offer of at
     most the range's widest nodes at the least node price of its widths (`Tier`), summed where positive, against
-    what the range's narrowest width adds (the base grows with the width). At 16 sequences a node costs ~1.4 ms at
-    width 1 and ~1.1 at the widest (float32), which a 1-node graft worth 0.5 pays only at wider widths, whose
-    attention costs more than 16 such nodes bring. Each distinct curve and cuts object is valued once."""
+    what the range's narrowest width adds (the base grows with the width); a sequence could be in a plan only at a
+    range that passes, and only where its surplus there is positive (no offer of less takes part: `allocate`'s rate
+    is never below P). At 16 sequences a node costs ~1.4 ms at width 1 and ~1.1 at the widest (float32), which a
+    1-node graft worth 0.5 pays only at wider widths, whose attention costs more than 16 such nodes bring. Each
+    distinct curve and cuts object is valued once."""
     tiers, need = [], []
     for low, high in BOUNDED_WIDTHS:
         tiers.append(Tier(high, min(cost.node_ms(n, w) for w in range(low, high + 1)) if high else price.node_ms))
@@ -198,12 +200,13 @@ def could_beat_plain(evidence: Sequence[Evidence], price: Price, cost: BatchCost
             got = valued[id(obj)] = (obj, _bests(items(), price, tiers))
         return got[1]
 
-    found = [0.0] * len(tiers)
+    surplus = []  # (sequence, tier)
     for e in evidence:
         own, cuts = held(e.own, lambda e=e: _own_items(e)), held(e.cuts, lambda e=e: _cut_items(e))
-        for t, tier in enumerate(tiers):
-            found[t] += max(_tier_surplus(e, own[t], cuts[t], price, tier), 0.0)
-    return any(f > m * (1 - 1e-9) for f, m in zip(found, need, strict=True))  # a tie: taken as one that could
+        surplus.append([max(_tier_surplus(e, own[t], cuts[t], price, tier), 0.0) for t, tier in enumerate(tiers)])
+    found = [sum(column) for column in zip(*surplus, strict=True)] if surplus else [0.0] * len(tiers)
+    passing = [t for t, (f, m) in enumerate(zip(found, need, strict=True)) if f > m * (1 - 1e-9)]  # a tie passes
+    return [any(own[t] > 0 for t in passing) for own in surplus]
 
 
 def graft_surplus(e: Evidence, price: Price) -> float:
@@ -282,7 +285,7 @@ class Planner:
 
     A round costs more than its forward and drafting: accepting, committing, and a server's streaming of each
     sequence's tokens. That share is measured as it runs: the time from one plan to the next less what the model
-    says the first plan's forward costs and less what the loop says it spent on other work (`aside_s`: the last
+    says the first plan's forward costs and less what the loop says it spent on other work (`observe`'s: the last
     round's drafting, as measured, and the joiners' prefill before this plan). Rounds where no sequence speculated
     give a plain sequence's share (per sequence, the median of the last OVERHEAD_ROUNDS such rounds at about the
     batch size planned for, `overhead_ms`; an idle wait between two plans is an outlier the median ignores), paid
@@ -297,17 +300,42 @@ class Planner:
     that stretch's), a cost paid once that, counted as what a tree costs each round, kept the first trees from ever
     paying. Under churn (32 clients) most rounds prefill a joiner's chunk: counted as overhead, that made
     speculation look cheap (83 % of sequence-rounds speculated, 0.84x plain, float32). `clock`: seconds, as
-    `time.perf_counter` (tests)."""
+    `time.perf_counter` (tests).
+
+    What the model promises is checked by what the rounds measure (`trees_lose`): each round's tokens per ms (its
+    drafting in, a joiner's prefill out) over what the model says plain decoding makes at its batch size; where the
+    rounds with trees made less of it than the plain rounds at about that batch size, no tree is offered there until
+    those tree rounds have left the record (MEASURED_ROUNDS rounds on: then one is tried again)."""
 
     OVERHEAD_ROUNDS = 64
+    MEASURED_ROUNDS = 256  # the rounds `trees_lose` looks back over
+    MEASURED_LEAST = 8  # ... of which it needs this many plain and this many with trees at about the batch size
 
     def __init__(self, cost: BatchCost, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cost, self.clock = cost, clock
         self.overheads: deque[tuple[int, float]] = deque(maxlen=self.OVERHEAD_ROUNDS)  # plain rounds: (sequences, ms)
         # rounds with trees: (ms beyond the model, sequences, sequences given a tree)
         self.tree_rounds: deque[tuple[float, int, int]] = deque(maxlen=self.OVERHEAD_ROUNDS)
-        # (when the last plan was made, the model's ms of its forward, sequences, sequences given a tree)
-        self._last: tuple[float, float, int, int] | None = None
+        # every round: (sequences, with trees, its tokens per ms over the model's plain rate at its batch size)
+        self.yields: deque[tuple[int, bool, float]] = deque(maxlen=self.MEASURED_ROUNDS)
+        # (when the last plan was made, the model's ms of its forward, sequences, sequences given a tree, the model's
+        # ms of a plain forward of its sequences)
+        self._last: tuple[float, float, int, int, float] | None = None
+        self._observed: tuple[int, float] = (0, 0.0)  # the last round's (tokens, drafting seconds)
+
+    def observe(self, tokens: int, drafted_s: float) -> None:
+        """After a round: the tokens it committed (every decoding sequence's accepted nodes and its next token) and
+        the seconds its drafting took, as measured (the time since the plan less them is the rest of the round)."""
+        self._observed = (tokens, drafted_s)
+
+    def trees_lose(self, n: int) -> bool:
+        """Whether the rounds with trees at about `n` sequences (3/4 n to 3/2 n) made fewer tokens per ms, over the
+        model's plain rate, than the plain rounds there (medians; False until MEASURED_LEAST of each are seen)."""
+        near = [(trees, y) for s, trees, y in self.yields if 4 * s >= 3 * n and 2 * s <= 3 * n]
+        plain, trees = [y for t, y in near if not t], [y for t, y in near if t]
+        if min(len(plain), len(trees)) < self.MEASURED_LEAST:
+            return False
+        return statistics.median(trees) < statistics.median(plain)
 
     def overhead_ms(self, n: int) -> float:
         """A sequence's share of a round beyond the model (ms) at `n` sequences: the median of the plain rounds seen
@@ -340,37 +368,46 @@ class Planner:
         self,
         drafters: Sequence[Sized],
         contexts: Sequence[list[int]],
-        aside_s: float = 0.0,
+        prefill_s: float = 0.0,
         waiting: int = 0,
         sample: bool = True,
     ) -> list[Offer]:
         """Each drafter's size for the coming round: one of its offers, PLAIN for a plain step (the round hands them
-        to `propose_all`). `aside_s`: seconds since the last plan the loop spent
-        on other work than the round's forward and its own steps (the last round's drafting, joiners' prefill);
-        `waiting`: joiners that would decode beside them but wait for their prefill (one a round while others
-        decode). A round's ms delays them too, so the plan is made as for the batch with them in it, decoding
-        plainly: a tree must beat the larger batch's plain rate. Planned for the decoding sequences alone, the
-        first rounds of a burst of arrivals gave the few decoding ones big trees while the rest waited (bf16,
-        16 clients: 0.93x plain over the level, its steady state 1.01x, the p95 time to first token 2.37 s
-        against 2.01). `sample`: False where the time since the last plan is no sample of a round's cost (its
+        to `propose_all`). `prefill_s`: seconds since the last plan the loop spent prefilling joiners (work aside, as
+        the last round's drafting, which `observe` told); `waiting`: joiners that would decode beside them but wait for
+        their prefill (one a round while others decode). A round's ms delays them too, so the plan is made as for the
+        batch with them in it, decoding plainly: a tree must beat the larger batch's plain rate. Planned for the
+        decoding sequences alone, the first rounds of a burst of arrivals gave the few decoding ones big trees while the
+        rest waited (bf16, 16 clients: 0.93x plain over the level, its steady state 1.01x, the p95 time to first token
+        2.37 s against 2.01). `sample`: False where the time since the last plan is no sample of a round's cost (its
         forward carried a joiner's prompt chunk, `generate.Batch` mixing)."""
         now, b = self.clock(), len(drafters)
+        (tokens, drafted_s), self._observed = self._observed, (0, 0.0)
         if self._last is not None and sample:
-            then, modelled, sequences, trees = self._last
-            beyond = 1e3 * (now - then - aside_s) - modelled
+            then, modelled, sequences, trees, plain_ms = self._last
+            beyond = 1e3 * (now - then - prefill_s - drafted_s) - modelled
             if trees:
                 self.tree_rounds.append((beyond, sequences, trees))
             else:
                 self.overheads.append((sequences, beyond))
+            if tokens:
+                self.yields.append(
+                    (sequences, trees > 0, tokens * plain_ms / (sequences * 1e3 * (now - then - prefill_s)))
+                )
         longest = max(len(c) for c in contexts) - 1
         n = b + waiting
         margin, overhead, tree_ms = self.cost.error(n), self.overhead_ms(n) * n, self.tree_ms()
         price = Price(plain_rate(n, longest, self.cost, margin, overhead), self.cost.least_node_ms(n), tree_ms)
-        evidence = [d.evidence(c) for d, c in zip(drafters, contexts, strict=True)]
-        if could_beat_plain(evidence, price, self.cost, longest, n):
-            offers = [d.offers(c, price) for d, c in zip(drafters, contexts, strict=True)] + [[]] * waiting
-            picks = allocate(offers, longest, self.cost, margin, overhead, tree_ms)[1][:b]
+        if self.trees_lose(n):
+            asked = [False] * b
+        else:
+            evidence = [d.evidence(c) for d, c in zip(drafters, contexts, strict=True)]
+            asked = who_could_pay(evidence, price, self.cost, longest, n)
+        if any(asked):
+            offers = [d.offers(c, price) if a else [] for d, c, a in zip(drafters, contexts, asked, strict=True)]
+            picks = allocate(offers + [[]] * waiting, longest, self.cost, margin, overhead, tree_ms)[1][:b]
         else:
             picks = [None] * b
-        self._last = (now, forward_ms(picks, longest, self.cost), b, sum(o is not None for o in picks))
+        plain_ms = self.cost.forward_ms(b, 0, longest)
+        self._last = (now, forward_ms(picks, longest, self.cost), b, sum(o is not None for o in picks), plain_ms)
         return [PLAIN if o is None else o for o in picks]
