@@ -298,6 +298,7 @@ def test_the_planner_measures_what_a_round_costs_beyond_the_model_plain_and_spec
     assert allocate([offers] * 2, 10, cost, tree_ms=20.0)[1] == [None, None]  # 3 / 50, 5 / 66 against 2 / 10
     now = [0.0]
     planner = Planner(cost, clock=lambda: now[0])
+    planner.RESTS_MOST = 1  # every round planned
     drafters = [Fixed(), Fixed()]
 
     drafted = [0.0]  # the last round's drafting, as the loop measured it (ms)
@@ -337,9 +338,11 @@ def test_trees_the_rounds_measured_losing_to_plain_are_no_longer_offered(accepte
     cost = BatchCost.linear(10.0, 0.0, 0.0)
     now, asked = [0.0], [0]
     planner = Planner(cost, clock=lambda: now[0])
+    planner.RESTS_MOST = 1  # every round planned (`test_a_batch_that_plans_no_tree_is_planned_less_often`)
 
     class Counted(Toy):
-        offered: list[Offer] = []
+        def __init__(self) -> None:
+            self.offered: list[Offer] = []
 
         def offers(self, context, price=None):
             asked[0] += 1
@@ -364,6 +367,44 @@ def test_trees_the_rounds_measured_losing_to_plain_are_no_longer_offered(accepte
     assert not any(round_(True) for _ in range(200)) and asked == [0]
     assert sum(round_(True) for _ in range(64)) == 8  # the tree rounds have left the record: a new sample of them
     assert not any(round_(True) for _ in range(100))  # measured losing again
+
+
+def test_a_batch_that_plans_no_tree_is_planned_less_often():
+    """After plans that give no tree the planner asks again 1, 2, 4, then every 8 rounds (the rounds between
+    planned plain, no sequence asked); a plan that gives a tree, or a batch of another size, plans every round
+    again; so does one that costs less than 1 % of the forward (here: none does, every plan counts as dear)."""
+    cost = BatchCost.linear(10.0, 0.0, 0.0)
+    planner, asked = Planner(cost), []
+    planner.REST_SHARE = -1.0
+
+    class Counted(Toy):
+        def __init__(self) -> None:
+            self.offered: list[Offer] = []
+
+        def offers(self, context, price=None):
+            asked.append(len(asked))
+            return self.offered
+
+    def rounds(k: int, b: int = 4, offering: bool = False) -> list[int]:
+        """The rounds of the next `k` at which the drafters were asked (0 first)."""
+        drafters = [Counted() for _ in range(b)]
+        for d in drafters:
+            d.offered = [Offer(1, 0.5, 0.0, heads=1)] if offering else [Offer(1, 0.0, 0.0, heads=1)]
+        at = []
+        for r in range(k):
+            del asked[:]
+            planner.plan(drafters, [[1, 2, 3]] * b)
+            at += [r] if asked else []
+        return at
+
+    assert rounds(40) == [0, 1, 3, 7, 15, 23, 31, 39]
+    assert rounds(4, b=3) == []  # 3 is within 3/4 to 3/2 of 4: still resting
+    assert rounds(3, b=2) == [0]  # 2 is not: asked at once (and resting again after)
+    assert rounds(4, offering=True) == [0, 1, 2, 3]  # 4 is not 2's: asked, trees given, asked every round
+    assert rounds(8) == [0, 1, 3, 7]  # no tree again: from the start of the rest
+    planner = Planner(cost)
+    planner.REST_SHARE = 1e9  # no plan is dear: every round planned
+    assert rounds(8) == list(range(8))
 
 
 def test_a_plain_share_is_learnt_at_its_batch_size():
