@@ -7,7 +7,9 @@ not Spec-Bench; no prompt repeats another verbatim):
 - `extraction`: the same instruction and JSON schema over many synthetic order messages (a structured-extraction
   job: the answers share their keys and form, the documents differ);
 - `agent`: tool-calling transcripts, each task re-sent with one more step a turn (an agent loop: what the
-  transcript re-sends, prompt lookup already copies; what the model writes at each step repeats across tasks).
+  transcript re-sends, prompt lookup already copies; what the model writes at each step repeats across tasks);
+- `helpdesk`: one long policy before every customer message, the messages from a few templates (held out: the
+  suffix pool's settings were chosen on the two above).
 
 The first WARM share of a workload is its own category (`NAME (first 20%)`): the pool is filling there; the rest
 (`NAME (last 80%)`) is what a warm server sees.
@@ -102,7 +104,48 @@ def agent(n: int, rng: random.Random) -> list[str]:
     return prompts[:n]
 
 
-WORKLOADS: dict[str, Callable[[int, random.Random], list[str]]] = {"extraction": extraction, "agent": agent}
+POLICY = """You answer customer messages for Brightway Outfitters, an online shop. Follow the policy below, be brief and
+polite, and end every answer with "Is there anything else I can help you with?".
+Policy:
+- Returns: unused items can be returned within 30 days of delivery for a full refund; send them with the return
+  label from the account page. Refunds reach the original payment method within 5 business days of arrival.
+- Damaged or wrong items: we send a replacement at no cost; the customer does not need to return the item.
+- Late orders: standard shipping takes 3-5 business days; after 7 business days we resend the order or refund it.
+- Address changes: possible until the order ships; after that the carrier's tracking page offers a redirect.
+- Warranty: every item has a one-year warranty against defects; repairs or replacements are free within it.
+- Never promise discounts, and never ask for card numbers or passwords."""
+
+
+def helpdesk(n: int, rng: random.Random) -> list[str]:
+    """A help desk: one long policy before every message, customer messages written from a few templates (held out
+    from the suffix pool's tuning, which used `extraction` and `agent`: repeats of another kind)."""
+    problems = [
+        "the {item} arrived damaged",
+        "I received a {item} instead of what I ordered",
+        "it still has not arrived after {days} business days",
+        "I would like to return the {item}, it is unused",
+        "I need to change the delivery address to {city}",
+        "the {item} stopped working after {months} months",
+    ]
+    openings = ["Hi,", "Hello,", "Good morning,", "Hey there,", "Dear support,"]
+    asks = ["What can you do?", "What are my options?", "Can you help?", "How do I proceed?", "Please advise."]
+    prompts = []
+    for _ in range(n):
+        order = f"{rng.choice('ABCDEFGH')}{rng.randint(1000, 9999)}"
+        problem = rng.choice(problems).format(
+            item=rng.choice(ITEMS), days=rng.randint(2, 12), city=rng.choice(CITIES), months=rng.randint(2, 20)
+        )
+        name = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+        message = f"{rng.choice(openings)} my order {order} - {problem}. {rng.choice(asks)} {name}"
+        prompts.append(f"{POLICY}\n\nCustomer message:\n{message}")
+    return prompts
+
+
+WORKLOADS: dict[str, Callable[[int, random.Random], list[str]]] = {
+    "extraction": extraction,
+    "agent": agent,
+    "helpdesk": helpdesk,
+}
 
 
 def workload(name: str, n: int = 40, seed: int = 0) -> list[Prompt]:
