@@ -10,6 +10,7 @@ from headstart.commands import common
 from headstart.runtime.drafters.registry import names
 from headstart.runtime.models import DEFAULT_MODEL
 from headstart.runtime.sizing.policy import POLICIES
+from headstart.runtime.workloads import WORKLOADS
 
 
 def add_parsers(sub) -> None:
@@ -21,7 +22,7 @@ def add_parsers(sub) -> None:
     b.add_argument(
         "--workload",
         default=None,
-        choices=("extraction", "agent"),
+        choices=tuple(WORKLOADS),
         help="instead of --prompts: a generated workload that repeats across requests, replayed in order, each "
         "method with its own suffix pool starting empty (runtime/workloads.py; written to --out)",
     )
