@@ -42,6 +42,19 @@ class Toy:
         return Evidence(self.offers(context))
 
 
+class Asked(Toy):
+    """A planner's drafter of the offers it is given (`offered`), noting in `asked` each time it is asked for them
+    (its evidence asks too)."""
+
+    def __init__(self, asked: list) -> None:
+        self.offered: list[Offer] = []
+        self.asked = asked
+
+    def offers(self, context, price=None):
+        self.asked.append(1)
+        return self.offered
+
+
 def eagle_like(survival: float, nodes: int, ms_per_depth: float) -> list[Offer]:
     """Offers of 1..nodes nodes: a chain-ish tree whose k-th node survives with survival ** (1 + k // 2)."""
     offers, gain = [], 0.0
@@ -336,19 +349,10 @@ def test_trees_the_rounds_measured_losing_to_plain_are_no_longer_offered(accepte
     record (256 rounds on) and 8 are tried again; where each accepts its node (4 tokens in 11 ms), it goes on
     speculating."""
     cost = BatchCost.linear(10.0, 0.0, 0.0)
-    now, asked = [0.0], [0]
+    now, asked = [0.0], []
     planner = Planner(cost, clock=lambda: now[0])
     planner.RESTS_MOST = 1  # every round planned (`test_a_batch_that_plans_no_tree_is_planned_less_often`)
-
-    class Counted(Toy):
-        def __init__(self) -> None:
-            self.offered: list[Offer] = []
-
-        def offers(self, context, price=None):
-            asked[0] += 1
-            return self.offered
-
-    drafters = [Counted(), Counted()]
+    drafters = [Asked(asked), Asked(asked)]
 
     def round_(offering: bool) -> bool:
         for d in drafters:
@@ -360,11 +364,11 @@ def test_trees_the_rounds_measured_losing_to_plain_are_no_longer_offered(accepte
 
     assert not any(round_(False) for _ in range(9))  # plain rounds: 1 token per sequence per model forward
     assert all(round_(True) for _ in range(8))  # the model's price passes them
-    asked[0] = 0
+    asked.clear()
     if accepted:
         assert all(round_(True) for _ in range(300))
         return
-    assert not any(round_(True) for _ in range(200)) and asked == [0]
+    assert not any(round_(True) for _ in range(200)) and asked == []
     assert sum(round_(True) for _ in range(64)) == 8  # the tree rounds have left the record: a new sample of them
     assert not any(round_(True) for _ in range(100))  # measured losing again
 
@@ -377,17 +381,9 @@ def test_a_batch_that_plans_no_tree_is_planned_less_often():
     planner, asked = Planner(cost), []
     planner.REST_SHARE = -1.0
 
-    class Counted(Toy):
-        def __init__(self) -> None:
-            self.offered: list[Offer] = []
-
-        def offers(self, context, price=None):
-            asked.append(len(asked))
-            return self.offered
-
     def rounds(k: int, b: int = 4, offering: bool = False) -> list[int]:
         """The rounds of the next `k` at which the drafters were asked (0 first)."""
-        drafters = [Counted() for _ in range(b)]
+        drafters = [Asked(asked) for _ in range(b)]
         for d in drafters:
             d.offered = [Offer(1, 0.5, 0.0, heads=1)] if offering else [Offer(1, 0.0, 0.0, heads=1)]
         at = []

@@ -265,6 +265,11 @@ def _tier_surplus(
     return value
 
 
+def _about(size: int, n: int) -> bool:
+    """Whether a batch of `size` sequences is about as large as one of `n`: 3/4 n to 3/2 n."""
+    return 4 * size >= 3 * n and 2 * size <= 3 * n
+
+
 class Sized(Protocol):
     """A drafter the budget sizes (runtime/sizing/budgeted.py): the trees it offers now; the plan hands one back to
     its `drafting` as the round's size."""
@@ -305,7 +310,7 @@ class Planner:
     What the model promises is checked by what the rounds measure (`trees_lose`): each round's tokens per ms (its
     drafting in, a joiner's prefill out) over what the model says plain decoding makes at its batch size; where the
     rounds with trees made less of it than the plain rounds at about that batch size, no tree is offered there until
-    those tree rounds have left the record (MEASURED_ROUNDS rounds on: then one is tried again).
+    those tree rounds have left the record (MEASURED_ROUNDS rounds on: then MEASURED_LEAST are tried again).
 
     A busy batch rarely speculates, and asking each sequence every round what its tree would be worth cost ~0.8 ms
     of a 55 ms round at 16 sequences (float32, in-process), where 1 % of the sequence-rounds got a tree: after a plan
@@ -342,10 +347,10 @@ class Planner:
     def _choose(self, drafters: Sequence[Sized], contexts: Sequence[list[int]], longest: int, n: int) -> list:
         """The plan of the decoding sequences (`drafters`) among `n`: each one's offer, None for a plain step."""
         b = len(drafters)
-        margin, overhead, tree_ms = self.cost.error(n), self.overhead_ms(n) * n, self.tree_ms()
-        price = Price(plain_rate(n, longest, self.cost, margin, overhead), self.cost.least_node_ms(n), tree_ms)
         if self.trees_lose(n):
             return [None] * b
+        margin, overhead, tree_ms = self.cost.error(n), self.overhead_ms(n) * n, self.tree_ms()
+        price = Price(plain_rate(n, longest, self.cost, margin, overhead), self.cost.least_node_ms(n), tree_ms)
         asked = who_could_pay(
             [d.evidence(c) for d, c in zip(drafters, contexts, strict=True)], price, self.cost, longest, n
         )
@@ -357,7 +362,7 @@ class Planner:
     def trees_lose(self, n: int) -> bool:
         """Whether the rounds with trees at about `n` sequences (3/4 n to 3/2 n) made fewer tokens per ms, over the
         model's plain rate, than the plain rounds there (medians; False until MEASURED_LEAST of each are seen)."""
-        near = [(trees, y) for s, trees, y in self.yields if 4 * s >= 3 * n and 2 * s <= 3 * n]
+        near = [(trees, y) for s, trees, y in self.yields if _about(s, n)]
         plain, trees = [y for t, y in near if not t], [y for t, y in near if t]
         if min(len(plain), len(trees)) < self.MEASURED_LEAST:
             return False
@@ -373,7 +378,7 @@ class Planner:
         of every round's, speculating or not (alone, a request speculates every round: its whole overhead is then
         the share a plain step would pay too, or plain would look cheaper than it is); 0 before any round."""
         if self.overheads:
-            near = [ms / s for s, ms in self.overheads if 4 * s >= 3 * n and 2 * s <= 3 * n]
+            near = [ms / s for s, ms in self.overheads if _about(s, n)]
             if near:
                 return max(statistics.median(near), 0.0)
             nearest = min(self.overheads, key=lambda o: abs(o[0] - n))[0]
@@ -423,7 +428,7 @@ class Planner:
         longest = max(len(c) for c in contexts) - 1
         n = b + waiting
         rest, then = self._resting
-        if rest and 4 * n >= 3 * then and 2 * n <= 3 * then:
+        if rest and _about(n, then):
             self._resting = (rest - 1, then)
             picks: list[Offer | None] = [None] * b
         else:
