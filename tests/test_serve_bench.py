@@ -1,7 +1,7 @@
 """The serving bench: a process started as the bench starts its servers imports the snapshot's code, not the
 checkout's (from the checkout's root, `python -c` imported the working tree whatever PYTHONPATH said); repeated
-levels take prompts of their own (with --unseen, no prompt sent twice) and report their median; a bench short of
-memory stops rather than time the swap."""
+levels take prompts of their own (with --unseen, no prompt sent twice) and report their median, and each repeat's
+ratio to plain's in the same repeat; a bench short of memory stops rather than time the swap."""
 
 from __future__ import annotations
 
@@ -49,6 +49,18 @@ def test_repeats_take_prompts_of_their_own_and_report_their_median(tmp_path):
     assert "60.0 (50.0 / 100.0 / 60.0)" in serve_bench.table(
         [{**row, "steady_tokens_per_s": 0.0, "p50_request_tokens_per_s": 0.0, "p95_ttft_s": 0.0}]
     )
+
+
+def test_each_repeat_is_compared_with_plains_in_the_same_repeat():
+    """Against plain a server's repeats are paired with plain's of the same repeat (run one after the other): a
+    drift between repeats moves both; the ratio of medians is given beside the median of the paired ratios."""
+    plain = {"server": "headstart plain (x)", "clients": 4, "tokens_per_s": 100.0}
+    plain["repeat_tokens_per_s"] = [50, 100, 200]
+    other = {"server": "headstart default drafter (x)", "clients": 4, "tokens_per_s": 90.0}
+    other["repeat_tokens_per_s"] = [55, 90, 210]  # each repeat: 1.10, 0.90, 1.05 its plain's
+    table = serve_bench.paired([plain, other])
+    assert "| headstart default drafter (x) | 4 | 0.90x | 1.10 / 0.90 / 1.05 | 1.05x |" in table
+    assert serve_bench.paired([plain]) == "" and serve_bench.paired([{**other, "repeat_tokens_per_s": [90]}]) == ""
 
 
 def test_a_bench_short_of_memory_stops_before_it_measures():

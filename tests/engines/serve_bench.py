@@ -20,7 +20,9 @@ loads while the others wait idle, so their ratios at a level are taken minutes a
 loadtest` drives each at every concurrency level. Beside them, the library's own plain rate (`Engine.generate`,
 the 1-client level's prompts, one after another). Prints the table and, with --doc, writes it between
 `<!-- serve-bench:DTYPE -->` markers, with a chart of tok/s per request against concurrency
-(docs/serve-bench-DTYPE.png). A row's tok/s is the median of its repeats (each listed beside it). `--unseen`:
+(docs/serve-bench-DTYPE.png). A row's tok/s is the median of its repeats (each listed beside it); with repeats, a
+second table gives each headstart server against plain per repeat (`paired`; `--rows FILE` prints both tables of
+a finished run). `--unseen`:
 every level and repeat sends prompts no earlier one sent (the prefix cache finds none re-sent; the servers at a
 level and repeat get the same ones). "drafting": the share of a headstart server's round time (its phases, as
 /metrics counts them) spent planning and drafting the trees and updating the drafters after the forward.
@@ -244,6 +246,28 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def paired(rows: list[dict]) -> str:
+    """Each headstart server against headstart's plain one, level by level: the ratio of their median tok/s, each
+    repeat's own ratio (the two ran one after the other in that repeat, on the same prompts) and the median of
+    those, which the machine's drift between repeats moves least. "" without plain or repeats."""
+    plain = {r["clients"]: r for r in rows if r["server"].startswith("headstart plain")}
+    lines = []
+    for r in rows:
+        base = plain.get(r["clients"])
+        each, theirs = r.get("repeat_tokens_per_s", []), (base or {}).get("repeat_tokens_per_s", [])
+        if base is None or r is base or not r["server"].startswith("headstart") or len(each) < 2:
+            continue
+        ratios = [x / y for x, y in zip(each, theirs, strict=True)]
+        lines.append(
+            f"| {r['server']} | {r['clients']} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+            f"{' / '.join(f'{x:.2f}' for x in ratios)} | {statistics.median(ratios):.2f}x |"
+        )
+    if not lines:
+        return ""
+    head = "| server | clients | against plain: medians | each repeat | median of the repeats' |\n|---|---|---|---|---|"
+    return head + "\n" + "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| server | clients | tok/s | steady tok/s | p50 tok/s per request | p50 TTFT s | p95 TTFT s "
@@ -344,7 +368,12 @@ def main() -> int:
     p.add_argument("--tree-budget", type=int, default=None, help="also eagle+lookup with this fixed tree")
     p.add_argument("--graft-budget", type=int, default=None, help="the fixed tree's lookup nodes (default: serve's)")
     p.add_argument("--doc", default=None)
+    p.add_argument("--rows", default=None, metavar="FILE", help="print a finished run's tables (its rows.json) only")
     args = p.parse_args()
+    if args.rows:
+        rows = json.loads(Path(args.rows).read_text())["rows"]
+        print(table(rows) + (f"\n\n{paired(rows)}" if paired(rows) else ""))
+        return 0
     if args.vllm_python is None and not args.skip_vllm:
         p.error("--vllm-python is required unless --skip-vllm")
     if args.vllm_python and os.sep in args.vllm_python:  # a path: absolute (a venv's python is a link), run elsewhere
@@ -419,6 +448,8 @@ def main() -> int:
         f"`Engine.generate` plain ({commit}) on the 1-client prompts: {library:.1f} tok/s"
     )
     text = f"{head}\n\n{table(rows)}"
+    if ratios := paired(rows):
+        text += f"\n\n{ratios}"
     print(text)
     if args.doc:
         png = Path(args.doc).parent / f"serve-bench-{args.dtype}.png"
