@@ -152,16 +152,18 @@ class Budgeted(Drafter):
         ]
         graft = self.graft
         if graft is not None:
-            gains = self.graft_gains()
-            evidence = Evidence(own, catch_up, gains, graft.alone_worth(context))
+            evidence = self._made_of(own, catch_up, context)
             if price is None or graft_surplus(evidence, price) > -1e-9:  # (rounding)
-                out += self._grafted(graft, own, catch_up, columns, gains, context, price)
+                out += self._grafted(graft, own, catch_up, columns, evidence.cuts, context, price)
         return out
 
     def evidence(self, context: list[int]) -> Evidence:
         """What `offers` makes its offers of (`planner.Evidence`), without searching the lookup: the heads' curve
         (or the whole tree's offer) and its catch-up, the graft's cuts, the pool's tree alone (`alone_worth`)."""
         own, catch_up, _ = self._own()
+        return self._made_of(own, catch_up, context)
+
+    def _made_of(self, own: list[Offer], catch_up: float, context: list[int]) -> Evidence:
         graft = self.graft
         if graft is None:
             return Evidence(own, catch_up)

@@ -268,6 +268,12 @@ def paired(rows: list[dict]) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+def report(rows: list[dict]) -> str:
+    """The rows' table, and with repeats each headstart server against plain (`paired`)."""
+    ratios = paired(rows)
+    return table(rows) + (f"\n\n{ratios}" if ratios else "")
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| server | clients | tok/s | steady tok/s | p50 tok/s per request | p50 TTFT s | p95 TTFT s "
@@ -372,7 +378,7 @@ def main() -> int:
     args = p.parse_args()
     if args.rows:
         rows = json.loads(Path(args.rows).read_text())["rows"]
-        print(table(rows) + (f"\n\n{paired(rows)}" if paired(rows) else ""))
+        print(report(rows))
         return 0
     if args.vllm_python is None and not args.skip_vllm:
         p.error("--vllm-python is required unless --skip-vllm")
@@ -447,9 +453,7 @@ def main() -> int:
         f"{args.requests_per_client} requests a client, prompts {Path(args.prompts).name}; "
         f"`Engine.generate` plain ({commit}) on the 1-client prompts: {library:.1f} tok/s"
     )
-    text = f"{head}\n\n{table(rows)}"
-    if ratios := paired(rows):
-        text += f"\n\n{ratios}"
+    text = f"{head}\n\n{report(rows)}"
     print(text)
     if args.doc:
         png = Path(args.doc).parent / f"serve-bench-{args.dtype}.png"
