@@ -652,9 +652,9 @@ def test_no_lookup_is_searched_where_no_graft_it_could_find_passes(monkeypatch, 
     from headstart.runtime.drafters.suffix import SuffixDrafter
 
     _, drafter, prompt, features = started_eagle_lookup()
-    if pool:  # 8 nodes, each worth at most the calibration 0.5 times 1 / 2 (one match): they cannot pay at 0.7
+    if pool:  # 8 nodes, each worth at most the largest factor 0.5 times 1 / 2 (one match): they cannot pay at 0.7
         lookup = SuffixDrafter(SuffixOptions(pool_nodes=8))
-        lookup.pool.expected = 8.0  # nodes expected of its trees so far, none accepted: (8 + 0) / (8 + 8)
+        lookup.pool.record([(1, 1.0, False)] * 8)  # 8 nodes estimated at 1 at depth 1, none accepted: 1/2, 1/4
         lookup.pool.add([9, 5, 2, 3, 4, 6])  # it holds what the contexts below end with (5, 2, 3)
         assert lookup.alone_worth([*prompt, 3]) == (0.25, 8) and lookup.alone_worth([*prompt, 4]) == (0.0, 0)
         drafter = Budgeted(LookupGraft(drafter.heads.fork(), lookup)).fork()
@@ -768,7 +768,7 @@ def test_sampling_sized_by_the_budget_follows_the_target(graft):
             a, b_, c = r.context[len(prompt) : len(prompt) + 3]
             counts[a, b_, c] += 1
     assert len(sizes) >= 3, sizes  # plain rounds and trees of several sizes were drawn
-    alone = pool.pool.expected  # the nodes the pool's trees drafted alone expected to be accepted, in all
+    alone = sum(pool.pool.expected)  # the nodes the pool's trees drafted alone expected to be accepted, in all
     assert (alone > 100) == (graft == "suffix"), alone
     assert int(counts[joint == 0].sum()) == 0
     assert chi_square_pvalue(counts, joint) > 1e-3

@@ -62,7 +62,7 @@ def test_the_drafted_nodes_are_the_likeliest_and_form_a_tree():
     for _ in range(200):
         follows = [[rng.randrange(3) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 12))]
         budget = rng.randint(1, 10)
-        found = _top_nodes(follows, SuffixOptions(pool_nodes=budget, min_prob=0.0), 3, 1.0)
+        found = _top_nodes(follows, SuffixOptions(pool_nodes=budget, min_prob=0.0), 3, (1.0,))
         counts = {}
         for f in follows:
             for d in range(1, len(f) + 1):
@@ -223,17 +223,56 @@ def test_a_confident_pool_drafts_alone_and_learns_its_calibration():
     tree = graft.propose(context)
     assert (inner.drafted, inner.rested) == (0, 1)
     assert tree.tokens[:4] == [1, 2, 3, 4] and tree.parents[:4] == [-1, 0, 1, 2]  # 3/4 each: gain 3
-    graft.observe(tree, [0, 1], None, 9)  # two of the pool's nodes accepted
-    assert (pool.expected, pool.accepted) == (pytest.approx(3.0), 2)
+    graft.observe(tree, [0, 1], None, 9)  # two of the pool's nodes accepted, those at depths 1 and 2
+    assert pool.expected[:5] == pytest.approx([0.75] * 4 + [0.0]) and pool.accepted[:5] == [1, 1, 0, 0, 0]
     assert pool.calibration == pytest.approx((8 + 2) / (8 + 3))
-    assert pool.lookup(context, SuffixOptions()).probs[0] == pytest.approx(0.75 * pool.calibration)
+    first = pool.lookup(context, SuffixOptions()).probs[0]
+    assert first == pytest.approx(0.75 * (8 * pool.calibration + 1) / (8 + 0.75))  # depth 1's own factor
     assert len(graft.propose([4, 4, 4, 6, 6])) == 1 and inner.drafted == 1  # no match: the inner tree alone
     graft.observe(DraftTree([0], [-1]), [0], None, 9)
-    assert pool.accepted == 2  # a grafted round is not the pool's to record
+    assert sum(pool.accepted) == 2  # a grafted round is not the pool's to record
     for _ in range(10):  # the pool misled: its estimates fall under alone_gain, the inner drafter drafts again
-        pool.record(3.0, 0)
+        pool.record([(d, 0.75, False) for d in (1, 2, 3, 4)])
     graft.propose(context)
     assert inner.drafted == 2
+
+
+def _drafted_alone(pool: SuffixPool, accepts, rounds: int, **options) -> LookupGraft:
+    """`rounds` rounds of a graft drafting the pool's tree alone at the context below, the k-th accepting the path
+    `accepts(k)` (node indices), observed as a server would."""
+    graft = LookupGraft(_Counting(), SuffixDrafter(SuffixOptions(**options), pool))
+    for k in range(rounds):
+        context = [10] * k + [6, 7, 8, 9]  # one token longer each round (`found` is searched once a length)
+        tree = graft.propose(context)
+        assert graft.alone is not None, k
+        graft.observe(tree, [n for n in accepts(k) if n < len(tree)], None, 9)
+    return graft
+
+
+def test_the_pools_calibration_is_what_its_trees_accept_over_what_it_estimated():
+    """The calibration learns the ratio of accepted nodes to the estimates before it: a pool whose trees (4 nodes
+    estimated at 3/4 each) are accepted whole in half the rounds and not at all in the others learns 2/3 at every
+    depth, its estimates become 1/2. (Recording the calibrated estimates instead, it learnt the ratio's square
+    root, 0.82, and went on overrating its trees by 1.22x.)"""
+    pool = SuffixPool(1000)
+    for _ in range(3):
+        pool.add([7, 8, 9, 1, 2, 3, 4])
+    _drafted_alone(pool, lambda k: [0, 1, 2, 3] if k % 2 else [], 400, alone_gain=0.5)
+    found = pool.lookup([0, 7, 8, 9], SuffixOptions())
+    assert pool.calibration == pytest.approx(2 / 3, abs=0.01)
+    assert found.probs == pytest.approx([0.5] * 4, abs=0.01)
+
+
+def test_deep_nodes_the_target_never_takes_are_no_longer_drafted():
+    """Matches that all agree rate every node of their branch alike (3/4 here), while the target takes the first
+    two and never the third: each depth's factor is learnt apart, the first two nodes are then all but certain and
+    the deeper ones fall under `min_prob` (one factor for every depth rated all four alike)."""
+    pool = SuffixPool(1000)
+    for _ in range(3):
+        pool.add([7, 8, 9, 1, 2, 3, 4])
+    _drafted_alone(pool, lambda k: [0, 1], 100, alone_gain=0.5)
+    found = pool.lookup([0, 7, 8, 9], SuffixOptions())
+    assert found.paths == [(1,), (1, 2)] and min(found.probs) > 0.9
 
 
 def test_drafting_alone_keeps_greedy_identity():
@@ -244,7 +283,7 @@ def test_drafting_alone_keeps_greedy_identity():
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     runs = [decoded(model, prompt, drafter.fork(), 32).context for _ in range(2)]
     assert runs[0] == runs[1] == decoded(model, prompt, Drafter(), 32).context
-    assert drafter.lookup.pool.expected > 0  # the second request drafted alone
+    assert sum(drafter.lookup.pool.expected) > 0  # the second request drafted alone
 
 
 def test_drafting_alone_keeps_the_targets_distribution(tiny_drafters):
@@ -267,9 +306,11 @@ def test_drafting_alone_keeps_the_targets_distribution(tiny_drafters):
 
 
 def test_under_the_load_budget_a_confident_pool_offers_its_tree_alone():
-    """Served with the load budget (`Budgeted`), a suffix graft whose pool would draft alone offers that tree alone
-    (the pool's nodes, then the request's own lookup branches), worth what the pool expects of it; taken, the heads
-    rest, the tree is that one cut to the plan, and the pool records how many of its nodes were accepted."""
+    """Served with the load budget (`Budgeted`), a suffix graft whose pool found continuations offers their tree alone
+    (the pool's nodes, likeliest first, then the request's own lookup branches), cut, each cut worth what the pool
+    expects of it, besides the inner drafter's tree with the pool's branches grafted on; the plan chooses. Taken,
+    the pool's tree alone is cut to the plan and the heads rest, and the pool records which of the nodes drafted
+    were accepted."""
     from headstart.runtime.drafters.base import Offer
     from headstart.runtime.drafters.together import drive
     from headstart.runtime.sizing.budgeted import Budgeted
@@ -280,10 +321,13 @@ def test_under_the_load_budget_a_confident_pool_offers_its_tree_alone():
     inner = _Counting()
     drafter = Budgeted(LookupGraft(inner, SuffixDrafter(SuffixOptions(alone_gain=2.0), pool)))
     context = [5, 1, 2, 3, 5, 6, 7, 8, 9]
-    offers = [o for o in drafter.offers(context) if o.graft and not o.heads]
-    assert offers == [Offer(4, pytest.approx(3.0), 0.0, graft=True)]  # `1 2 3 4`, each node 3/4
-    tree = drive(drafter.drafting(context, offers[0]._replace(nodes=3)))
-    assert tree.tokens == [1, 2, 3] and (inner.drafted, inner.rested) == (0, 1)
-    drafter.observe(tree, [0, 1, 2], None, 9)
-    assert (pool.expected, pool.accepted) == (pytest.approx(2.25), 3)  # the three nodes drafted expected 3/4 each
+    every = drafter.offers(context)
+    offers = [o for o in every if o.pool]
+    assert offers == [Offer(n, pytest.approx(0.75 * n), 0.0, graft=True, pool=True) for n in (1, 2, 4)]  # 3/4 each
+    grafted = next(o for o in every if o.graft and o.heads and not o.pool)  # or the pool's branches on the inner's
+    assert drive(drafter.drafting(context, grafted)).tokens[:2] == [0, 1] and (inner.drafted, inner.rested) == (1, 0)
+    tree = drive(drafter.drafting([*context, 1, 2, 7, 8, 9], offers[1]))
+    assert tree.tokens == [1, 2] and (inner.drafted, inner.rested) == (1, 1)
+    drafter.observe(tree, [0, 1], None, 9)
+    assert pool.expected[:3] == pytest.approx([0.75, 0.75, 0.0]) and pool.accepted[:3] == [1, 1, 0]  # as drafted
     assert not drafter.graft_seen.any()  # the pool's round is not the graft's hit rate

@@ -31,6 +31,7 @@ class Offer(NamedTuple):
     draft_ms: float  # what drafting it alone costs
     heads: int = 0  # nodes the drafter's own model drafts (the rest: grafted lookup branches)
     graft: bool = False  # lookup branches grafted on
+    pool: bool = False  # the suffix pool's tree alone, the drafter's own model resting (`graft.LookupGraft`)
     shared_ms: float = 0.0  # of draft_ms, what sequences drafting together pay once (their head forwards' weights)
     shape: tuple[tuple[int, ...], ...] | None = None  # the heads' static tree it was valued as (`Drafter.curve`)
 

@@ -11,10 +11,11 @@ point mass (`build_trie`). `accept_path` stays exact whatever q each sibling was
 long as the proposals do not depend on the target's draws: lookup reads only the context
 (tests/test_accept.py enumerates every outcome of such grafted trees).
 
-`X+suffix` may draft without X: when the suffix pool's continuations expect `alone_gain` accepted nodes or more
-(`suffix.SuffixDrafter.graft_branches`), the round's tree is theirs with the request's own lookup branches, and X
-rests (a head's pairs wait, as after a plain round), as llama.cpp lets a draftless source go first. Still exact:
-that choice, like the branches, depends on the context and on requests that finished before, never on this
+`X+suffix` may draft without X: the round's tree is then the suffix pool's continuations with the request's own
+lookup branches (`suffix.SuffixDrafter.graft_branches`), and X rests (a head's pairs wait, as after a plain round),
+as llama.cpp lets a draftless source go first: under the load budget where the plan takes that offer (`Offer.pool`),
+in a fixed tree where the pool's nodes expect `alone_gain` accepted nodes or more. Still exact: that choice, like
+the branches, depends on the context, on requests that finished before and on rounds before, never on this
 round's draws.
 """
 
@@ -42,13 +43,13 @@ class LookupGraft(Drafter):
         self.inner, self.lookup = inner, lookup or LookupDrafter()
         self.name = f"{inner.name}+{self.lookup.name}"  # +lookup, +suffix
         self.feature_layers = inner.feature_layers
-        self.alone: tuple[float, int] | None = None  # this round's pool tree drafted alone: expected gain, nodes
+        self.alone: tuple[Continuations, int] | None = None  # this round's pool tree drafted alone, its pool nodes
         self.own = 0  # nodes of the inner drafter's in the last tree drafted (they come first)
-        self._found: tuple[int, DraftTree | None, list[float], list[list[int]]] = (-1, None, [], [])  # `found`
+        self._found: tuple[int, DraftTree | None, Continuations | None, list[list[int]]] = (-1, None, None, [])
 
     def clear(self) -> None:
         self.inner = self.inner.fork()
-        self.alone, self.own, self._found = None, 0, (-1, None, [], [])
+        self.alone, self.own, self._found = None, 0, (-1, None, None, [])
 
     @property
     def graft(self) -> LookupGraft:
@@ -56,21 +57,19 @@ class LookupGraft(Drafter):
 
     def start(self, prompt_ids, prompt_hidden, sampling: SamplingParams | None = None, seed: int | None = None):
         self.inner.start(prompt_ids, prompt_hidden, sampling, seed)
-        self._found = (-1, None, [], [])
+        self._found = (-1, None, None, [])
 
     def propose(self, context: list[int]) -> DraftTree:
         return drive(self.drafting(context))
 
-    def found(self, context: list[int]) -> tuple[DraftTree | None, list[float], list[list[int]]]:
+    def found(self, context: list[int]) -> tuple[DraftTree | None, Continuations | None, list[list[int]]]:
         """The lookup at this context, searched once a round (runtime/sizing values it, then it is drafted): the
-        suffix pool's tree to draft alone (its nodes first, then the request's own lookup branches; None: none)
-        and its nodes' probabilities, else the branches to graft."""
+        suffix pool's tree to draft alone (its nodes first, likeliest first, then the request's own lookup
+        branches; None: none) and the pool's continuations it holds, and the branches to graft."""
         if self._found[0] != len(context):
-            alone, branches = self.lookup.graft_branches(context)
-            if alone is None:
-                self._found = (len(context), None, [], branches)
-            else:
-                self._found = (len(context), self.alone_tree(alone, branches), alone.probs, [])
+            pooled, own, branches = self.lookup.graft_branches(context)
+            alone = self.alone_tree(pooled, own) if pooled is not None and pooled.paths else None
+            self._found = (len(context), alone, pooled if alone is not None else None, branches)
         return self._found[1:]
 
     def alone_worth(self, context: list[int]) -> tuple[float, int]:
@@ -79,17 +78,17 @@ class LookupGraft(Drafter):
         return self.lookup.alone_worth(context)
 
     def drafting(self, context: list[int], size: Offer | None = None) -> Drafting:
-        """The inner tree with the lookup branches grafted on, or the suffix pool's tree alone where it expects more.
-        Sized (runtime/sizing): the inner tree of `size.heads` nodes, the branches up to `size.nodes` where
-        `size.graft`, the pool's tree alone where the size is a graft with no heads' nodes."""
+        """The inner tree with the lookup branches grafted on, or the suffix pool's tree alone where it expects
+        `alone_gain` accepted nodes or more. Sized (runtime/sizing): the inner tree of `size.heads` nodes, the
+        branches up to `size.nodes` where `size.graft`; the pool's tree alone, cut to `size.nodes`, if `size.pool`."""
         self.alone, self.own = None, 0
         if size is not None and not size.nodes:  # a plain step: nothing searched, the inner drafter told
             return (yield from self.inner.drafting(context, size))
-        alone, probs, branches = self.found(context)
-        if alone is not None and (size is None or (size.graft and not size.heads)):
+        alone, pooled, branches = self.found(context)
+        if alone is not None and (size.pool if size is not None else pooled.gain >= self.lookup.options.alone_gain):
             self.inner.rest()  # the pool's tree alone this round: the inner drafter's pairs wait
             nodes = len(alone) if size is None else min(size.nodes, len(alone))
-            self.alone = (sum(probs[:nodes]), len(probs))
+            self.alone = (pooled, min(nodes, len(pooled.paths)))
             return alone.prefix(nodes)
         inner = yield from self.inner.drafting(context, None if size is None else size._replace(nodes=size.heads))
         self.own = len(inner)
@@ -98,14 +97,17 @@ class LookupGraft(Drafter):
         return tree if size is None else tree.prefix(size.nodes)
 
     def alone_tree(self, alone: Continuations, own: list[list[int]]) -> DraftTree:
-        """The suffix pool's nodes first, then the request's own lookup branches (at most `budget` nodes more)."""
-        return build_trie(own, self.budget, onto=build_trie(alone.branches, len(alone.probs)))
+        """The suffix pool's nodes first (likeliest first), then the request's own lookup branches (at most `budget`
+        nodes more)."""
+        return build_trie(own, self.budget, onto=alone.tree())
 
-    def record_alone(self, drafted: tuple[float, int], path: list[int]) -> None:
-        """A round drafted alone from the pool (its nodes' expected gain, how many) accepted `path`: the pool
-        records how many of its nodes (the tree's first) were accepted."""
-        gain, nodes = drafted
-        self.lookup.pool.record(gain, sum(node < nodes for node in path))  # only a suffix pool drafts alone
+    def record_alone(self, drafted: tuple[Continuations, int], path: list[int]) -> None:
+        """A round drafted alone from the pool (its continuations, how many of their nodes: the tree's first)
+        accepted `path`: the pool records each drafted node's depth, estimate and whether it was accepted."""
+        pooled, nodes = drafted
+        taken = set(path)
+        drafted_nodes = zip(pooled.paths[:nodes], pooled.raw[:nodes], strict=True)
+        self.lookup.pool.record([(len(p), raw, k in taken) for k, (p, raw) in enumerate(drafted_nodes)])
 
     def observe(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, next_token: int) -> None:
         if self.alone is not None:

@@ -23,10 +23,11 @@ class LookupDrafter(Drafter):
     def propose(self, context: list[int]) -> DraftTree:
         return build_trie(self.find_branches(context), self.options.budget)
 
-    def graft_branches(self, context: list[int]) -> tuple[None, list[list[int]]]:
-        """What a graft drafts (`graft.LookupGraft`): never a tree of its own instead of the inner drafter's (None;
-        `suffix.SuffixDrafter`'s may be), and the branches grafted onto it."""
-        return None, self.find_branches(context)
+    def graft_branches(self, context: list[int]) -> tuple[None, list[list[int]], list[list[int]]]:
+        """What a graft drafts (`graft.LookupGraft`): a tree of its own instead of the inner drafter's and the
+        branches drafted with it (never: None, []; `suffix.SuffixDrafter`'s may be), and the branches grafted onto
+        the inner drafter's tree."""
+        return None, [], self.find_branches(context)
 
     def alone_worth(self, context: list[int]) -> tuple[float, int]:
         """What a tree of its own (`graft_branches`' first) may be worth at this context, known without searching:

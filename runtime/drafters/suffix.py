@@ -9,15 +9,17 @@ among equals) and counts what followed each, as far as the match is long (a matc
 max(branch_len, spec_factor * m) tokens, at most `max_spec`; SuffixDecoding's rule: the longer the context
 repeats, the further its continuation is trusted): a trie of continuations where a node's count is how many
 matches went through it. A node's estimated probability is its count over the matches + 1, times the pool's
-calibration (`SuffixPool.calibration`: of the trees drafted from the pool alone, nodes accepted over nodes
-expected); the draft is the `pool_nodes` nodes of highest count whose probability reaches `min_prob` (a child
-never counts more than its parent, so they form a tree).
+calibration at its depth (`SuffixPool.factors`: of the nodes that deep in the trees drafted from the pool alone,
+those accepted over the count-based estimates, which a long branch of matches that all agree overrates the
+deeper it runs), and never more than its parent's; the draft is the `pool_nodes` likeliest nodes whose
+probability reaches `min_prob`, parents first, so any first n of them form the likeliest tree of n nodes.
 
 `SuffixDrafter` (`--drafter suffix`) drafts the request's own prompt-lookup branches and the pool's, in turn (what
 the request repeats of itself is found as before; the pool adds what other requests wrote); `X+suffix` grafts them
-onto X's tree (`graft.LookupGraft`), or, where the pool's nodes expect `alone_gain` accepted nodes or more, drafts
-the pool's tree with the request's own branches while X rests (its head forwards and its nodes' rows saved: on the
-agent workload the pool's trees were drafted alone in most rounds). Exact as every drafter: the pool holds requests
+onto X's tree (`graft.LookupGraft`), or drafts the pool's tree with the request's own branches while X rests (its
+head forwards and its nodes' rows saved): under the load budget where that plan is worth more, in fixed trees
+where the pool's nodes expect `alone_gain` accepted nodes or more (on the agent workload the pool's trees were
+drafted alone in most rounds). Exact as every drafter: the pool holds requests
 that finished before this round, so a tree never depends on this round's draws (`accept_path` is exact for any
 proposal that does not). The pool is one tenant's: a request can learn from how fast it is answered what others
 asked (a timing side channel), so a server shared by parties who must not see each other's traffic runs
@@ -31,23 +33,27 @@ import threading
 import time
 from array import array
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from headstart.runtime.drafters.lookup import LookupDrafter
 from headstart.runtime.drafters.options import SuffixOptions
+from headstart.runtime.tree import DraftTree
 
 NGRAM = 3  # tokens a window of the index holds: a match is at least this long
 SEP = -1  # between requests in the pool's buffer: no match extends across it
 RECENT = 1024  # lookups whose durations the pool keeps (its lookup cost's p95)
 PRIOR = 8.0  # nodes' worth of rounds the pool's calibration starts from, as if they were accepted as estimated
+DEPTHS = 32  # depths the calibration keeps apart (deeper nodes share the last; `SuffixOptions.max_spec`'s default)
 
 
 class Continuations(NamedTuple):
-    """The pool's answer: branches (root-to-leaf token paths of the chosen nodes, likeliest leaf first) and each
-    chosen node's estimated probability, parents before children (`SuffixPool.lookup`)."""
+    """The pool's answer (`SuffixPool.lookup`): the chosen nodes as token paths from the root, likeliest first and
+    parents before children, each one's estimated probability, and that estimate before the calibration."""
 
-    branches: list[list[int]]
+    paths: list[tuple[int, ...]]
     probs: list[float]
+    raw: list[float]  # matches through the node over matches + 1
     matches: int  # how many earlier occurrences were counted
     longest: int  # the longest match's length in tokens
 
@@ -55,6 +61,25 @@ class Continuations(NamedTuple):
     def gain(self) -> float:
         """The nodes a round drafting them is expected to accept: the sum of their probabilities."""
         return sum(self.probs)
+
+    @property
+    def branches(self) -> list[list[int]]:
+        """Root-to-leaf token paths of the chosen nodes, the likeliest leaf first (by its path's probabilities)."""
+        prob = dict(zip(self.paths, self.probs, strict=True))
+        parents = {path[:-1] for path in self.paths}
+        leaves = [path for path in self.paths if path not in parents]
+        leaves.sort(key=lambda path: [-prob[path[:d]] for d in range(1, len(path) + 1)])
+        return [list(path) for path in leaves]
+
+    def tree(self) -> DraftTree:
+        """The chosen nodes as a tree, in their order (its first n nodes: the likeliest tree of n nodes)."""
+        index: dict[tuple[int, ...], int] = {}
+        for path in self.paths:
+            index[path] = len(index)
+        return DraftTree([path[-1] for path in self.paths], [index.get(path[:-1], -1) for path in self.paths])
+
+
+NOTHING = Continuations([], [], [], 0, 0)
 
 
 class SuffixPool:
@@ -75,7 +100,10 @@ class SuffixPool:
         self.lookups, self.hits = 0, 0  # lookups; those that found a match of `min_match` tokens or more
         self.lookup_s = 0.0  # seconds of every lookup
         self.recent: deque[float] = deque(maxlen=RECENT)  # seconds of the last RECENT lookups
-        self.expected, self.accepted = 0.0, 0  # nodes of its trees drafted alone: estimated, then accepted
+        # nodes of its trees drafted alone, by depth (the last: that deep or deeper): estimated (before the
+        # calibration), then accepted; the factors on the estimates they make (`factors`)
+        self.expected, self.accepted = [0.0] * DEPTHS, [0] * DEPTHS
+        self.factors: tuple[float, ...] = (1.0,) * DEPTHS
 
     def __len__(self) -> int:
         return len(self.buf) - len(self.starts)
@@ -86,7 +114,7 @@ class SuffixPool:
             self.base += len(self.buf)
             self.buf, self.starts, self.index, self.entries = array("q"), deque(), {}, 0
             self.requests, self.lookups, self.hits, self.lookup_s = 0, 0, 0, 0.0
-            self.expected, self.accepted = 0.0, 0
+            self.expected, self.accepted, self.factors = [0.0] * DEPTHS, [0] * DEPTHS, (1.0,) * DEPTHS
             self.recent.clear()
 
     def add(self, tokens: list[int]) -> None:
@@ -125,7 +153,7 @@ class SuffixPool:
     def lookup(self, context: list[int], options: SuffixOptions) -> Continuations:
         """The continuations of the context's last tokens in the pool (module docstring); counted in `stats`."""
         t0 = time.perf_counter()
-        found = self._lookup(context, options) if len(context) >= NGRAM else Continuations([], [], 0, 0)
+        found = self._lookup(context, options) if len(context) >= NGRAM else NOTHING
         seconds = time.perf_counter() - t0
         with self.lock:
             self.lookups += 1
@@ -143,7 +171,7 @@ class SuffixPool:
         with self.lock:
             found = self.index.get(_key(context, len(context)))
             if not found:
-                return Continuations([], [], 0, 0)
+                return NOTHING
             live = next((k for k, p in enumerate(found) if p - NGRAM > self.base), len(found))
             if live:  # entries of dropped requests (positions only grow: they come first)
                 del found[:live]
@@ -170,20 +198,30 @@ class SuffixPool:
                     kept.append((m, follow))
                     if len(kept) == options.max_matches:
                         break
-            factor = self.calibration
-        return _top_nodes([f for _, f in kept], options, kept[0][0] if kept else 0, factor)
+            factors = self.factors
+        return _top_nodes([f for _, f in kept], options, kept[0][0] if kept else 0, factors)
 
     @property
     def calibration(self) -> float:
-        """The factor on the pool's estimates (not a hit rate: `hits` / `lookups` is one): nodes accepted over nodes
-        expected, of the trees drafted from it alone (`record`), starting from PRIOR nodes accepted as expected."""
-        return (PRIOR + self.accepted) / (PRIOR + self.expected)
+        """The pool's factor on its estimates, every depth together (not a hit rate: `hits` / `lookups` is one):
+        nodes accepted over nodes estimated, of the trees drafted from it alone (`record`), starting from PRIOR
+        nodes accepted as estimated."""
+        return (PRIOR + sum(self.accepted)) / (PRIOR + sum(self.expected))
 
-    def record(self, expected: float, accepted: int) -> None:
-        """A tree drafted from the pool alone expected `expected` nodes accepted, and `accepted` were."""
+    def record(self, nodes: list[tuple[int, float, bool]]) -> None:
+        """A tree drafted from the pool alone: each of its pool nodes' depth, estimate before the calibration, and
+        whether it was accepted. Each depth's factor: its nodes accepted over estimated, starting from PRIOR nodes
+        at the factor of every depth together (a depth seldom drafted takes the pool's; one often drafted, its own:
+        estimates counted from matches that all agree overrate deep nodes most)."""
         with self.lock:
-            self.expected += expected
-            self.accepted += accepted
+            for depth, raw, accepted in nodes:
+                d = min(depth, DEPTHS) - 1
+                self.expected[d] += raw
+                self.accepted[d] += accepted
+            overall = self.calibration
+            self.factors = tuple(
+                (PRIOR * overall + a) / (PRIOR + e) for a, e in zip(self.accepted, self.expected, strict=True)
+            )
 
     def stats(self) -> dict[str, float]:
         """What /metrics shows: tokens and requests held, index entries, lookups, hits (a match of `min_match`
@@ -209,25 +247,27 @@ def _key(tokens, end: int) -> int:
     return (a << 42) | (b << 21) | c
 
 
-def _top_nodes(follows: list[list[int]], options: SuffixOptions, longest: int, factor: float) -> Continuations:
-    """The nodes of the continuations' trie most matches went through (at most `pool_nodes`), each node's
-    probability estimated as matches through it / (matches + 1) (one match is no certainty) times the pool's
-    calibration `factor` (at most 1), those under `min_prob` left out; as branches and probabilities."""
+def _top_nodes(
+    follows: list[list[int]], options: SuffixOptions, longest: int, factors: Sequence[float]
+) -> Continuations:
+    """The likeliest nodes of the continuations' trie (at most `pool_nodes`): each node's probability estimated as
+    matches through it / (matches + 1) (one match is no certainty) times `factors` at its depth (the last for any
+    deeper), at most 1 and at most its parent's; those under `min_prob` left out; likeliest first, parents first
+    among equals (so a parent always comes before its children)."""
     if not follows:
-        return Continuations([], [], 0, 0)
+        return NOTHING
     counts: dict[tuple[int, ...], int] = {}
     for follow in follows:
         for d in range(1, len(follow) + 1):
             key = tuple(follow[:d])
             counts[key] = counts.get(key, 0) + 1
-    scale = factor / (len(follows) + 1)
-    top = sorted(counts, key=lambda path: (-counts[path], len(path)))[: options.pool_nodes]  # parents first
-    prob = {path: min(counts[path] * scale, 1.0) for path in top}
+    scale, prob = 1 / (len(follows) + 1), {}
+    for path, count in counts.items():  # each follow's prefixes in order: a parent is valued before its children
+        p = min(count * scale * factors[min(len(path), len(factors)) - 1], 1.0)
+        prob[path] = min(p, prob[path[:-1]]) if len(path) > 1 else p
+    top = sorted(prob, key=lambda path: (-prob[path], len(path)))[: options.pool_nodes]
     chosen = [path for path in top if prob[path] >= options.min_prob]
-    parents = {path[:-1] for path in chosen}
-    along = {path: [counts[path[:d]] for d in range(1, len(path) + 1)] for path in chosen if path not in parents}
-    leaves = [list(path) for path in sorted(along, key=lambda path: [-c for c in along[path]])]
-    return Continuations(leaves, [prob[path] for path in chosen], len(follows), longest)
+    return Continuations(chosen, [prob[p] for p in chosen], [counts[p] * scale for p in chosen], len(follows), longest)
 
 
 class SuffixDrafter(LookupDrafter):
@@ -251,27 +291,24 @@ class SuffixDrafter(LookupDrafter):
         own, pooled = self._found(context)
         return own if pooled is None else _in_turn(own, pooled.branches)
 
-    def graft_branches(self, context: list[int]) -> tuple[Continuations | None, list[list[int]]]:
-        """The pool's continuations when they expect `alone_gain` accepted nodes or more: a graft drafts them with
-        the request's own lookup branches (the second list), its inner drafter resting; else None and
-        `find_branches`'."""
+    def graft_branches(self, context: list[int]) -> tuple[Continuations | None, list[list[int]], list[list[int]]]:
+        """The pool's continuations (None: none), which a graft may draft alone with the request's own lookup
+        branches (the second list), its inner drafter resting; and `find_branches`', to graft onto its tree."""
         own, pooled = self._found(context)
         if pooled is None:
-            return None, own
-        if pooled.gain >= self.options.alone_gain:
-            return pooled, own
-        return None, _in_turn(own, pooled.branches)
+            return None, own, own
+        return pooled, own, _in_turn(own, pooled.branches)
 
     def alone_worth(self, context: list[int]) -> tuple[float, int]:
         """Nothing where the pool holds no window the context ends with; else, of L matches at most (the window's
-        entries, at most `scan` and `max_matches` of them), each node is worth at most its calibration times
-        L / (L + 1) (and 1: `_top_nodes`), at most `pool_nodes` of them (the request's own branches drafted with
-        them are worth nothing more)."""
+        entries, at most `scan` and `max_matches` of them), each node is worth at most the largest of the pool's
+        factors times L / (L + 1) (and 1: `_top_nodes`), at most `pool_nodes` of them (the request's own branches
+        drafted with them are worth nothing more)."""
         held = self.pool.entries_at(context) if self.pool is not None else 0
         matches = min(held, self.options.scan, self.options.max_matches)
         if not matches:
             return 0.0, 0
-        return min(self.pool.calibration * matches / (matches + 1), 1.0), self.options.pool_nodes
+        return min(max(self.pool.factors) * matches / (matches + 1), 1.0), self.options.pool_nodes
 
     def _found(self, context: list[int]) -> tuple[list[list[int]], Continuations | None]:
         """The request's own lookup branches, and the pool's continuations (None: no pool, or its longest match is
