@@ -28,7 +28,8 @@ What each offer is worth comes from the drafter's own evidence, through the inte
   their first 1, 2, 4, 8, 16 ... (the likeliest tree of that many), each cut worth the sum of its nodes'
   probabilities (their counts times the pool's calibration at their depths: `suffix.py`), besides the heads' trees
   with the pool's branches grafted; taken, the heads rest. Offered only whole, and only where the pool expected
-  `alone_gain` nodes, on the agent workload its trees verified 43 ms a round for 10 tokens;
+  `alone_gain` nodes, on the agent workload its trees verified 43 ms a round for 10 tokens; cut and chosen, 26.6
+  ms for 6.8 (eagle+suffix 1.26x eagle+lookup against 1.01x: docs/benchmarks.md);
 - any other drafter (`curve` empty): its whole tree, of the size and acceptance its rounds so far had (OTHER_PRIOR
   before any).
 The tree is cut to the size's nodes (`DraftTree.prefix`), so the width the budget paid for is never exceeded.
