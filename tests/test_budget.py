@@ -100,6 +100,39 @@ def test_the_allocation_is_the_brute_force_optimum(seed, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_one_sequences_plan_is_the_batch_iterations(packed):
+    """A sequence alone is planned without the batch's Dinkelbach iteration (`_allocate_one`): its plan is the
+    iteration's, offer for offer, on row curves of uneven slopes, with margins, overheads, a tree's cost, shared
+    drafting and offers of any size in any order."""
+    from headstart.runtime.sizing.planner import WIDTHS, _allocate_batch
+
+    rng = random.Random(7)
+    planned = 0
+    for _ in range(300):
+        rows, r = {1: rng.uniform(5, 40)}, 1
+        for _ in range(6):
+            rows[2 * r] = rows[r] + rng.choice([0.0, rng.uniform(0, 3)]) * r
+            r *= 2
+        cost = BatchCost(rows, rng.uniform(0, 0.01), rng.uniform(0, 1), packed=packed)
+        own = []
+        for _ in range(rng.randint(1, 40)):
+            ms = rng.choice([0.0, rng.uniform(0, 15)])
+            nodes = rng.randint(0, 40)
+            gain = rng.uniform(0, 0.3) * nodes
+            own.append(Offer(nodes, gain, ms, shared_ms=rng.choice([0.0, rng.uniform(0, ms)])))
+        longest, margin = rng.randint(10, 600), rng.uniform(0, 0.2)
+        overhead, tree_ms = rng.uniform(0, 10), rng.choice([0.0, rng.uniform(0, 5)])
+        plan = allocate([own], longest, cost, margin, overhead, tree_ms)
+        offered = {o.nodes for o in own if o.nodes > 0}
+        if offered:
+            widths = sorted(offered & set(WIDTHS) | {max(offered)})
+            plain = plain_rate(1, longest, cost, margin, overhead)
+            assert plan == _allocate_batch([own], widths, longest, cost, plain, overhead, tree_ms)
+        planned += plan[1] != [None]
+    assert planned > 50 and 300 - planned > 10  # plans of both kinds were compared
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("seed", range(40))
 def test_offers_that_fail_the_price_are_never_taken(seed, packed):
     """`Price` (the plain rate the plan must beat, times the least an offer costs at any width) bounds what every
@@ -808,3 +841,12 @@ def test_a_drafter_that_implements_the_interface_is_budgeted_by_it():
     toy.offers([1, 2, 3, 3])
     assert toy.inner.factors[-1] == toy.factor
     assert len(drive(toy.drafting([1, 2, 3, 3], PLAIN))) == 0
+
+
+def test_the_sizes_about_a_batch_size_are_a_range():
+    """`_about_range` (what the planner's records are filtered by) holds exactly the sizes `_about` n."""
+    from headstart.runtime.sizing.planner import _about, _about_range
+
+    for n in range(200):
+        low, high = _about_range(n)
+        assert [s for s in range(400) if _about(s, n)] == list(range(low, high + 1)), n

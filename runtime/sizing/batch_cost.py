@@ -65,6 +65,14 @@ class BatchCost:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", {int(r): float(ms) for r, ms in sorted(self.rows.items())})
         object.__setattr__(self, "errors", {int(s): float(e) for s, e in sorted(self.errors.items())})
+        object.__setattr__(self, "_row_ms", {})  # R -> cost_at(rows, R), as asked (a plan asks ~60 a round)
+
+    def rows_ms(self, rows: int) -> float:
+        """The rows' share of a forward over `rows` rows (`cost_at` of the row curve, kept once asked)."""
+        ms = self._row_ms.get(rows)
+        if ms is None:
+            ms = self._row_ms[rows] = cost_at(self.rows, rows)
+        return ms
 
     def error(self, sequences: int) -> float:
         """The model's largest relative error at `sequences` sequences: at the fewest measured that many or more
@@ -88,14 +96,14 @@ class BatchCost:
         """The forward at this width before its draft nodes' own rows: padded, all of it (`node_ms` is 0)."""
         full = sequences * (width + 1)
         attention = self.d * sequences + (self.e * sequences + self.c * full) * max(longest - PASTS[0], 0)
-        return cost_at(self.rows, sequences if self.packed else full) + attention
+        return self.rows_ms(sequences if self.packed else full) + attention
 
     def node_ms(self, sequences: int, width: int) -> float:
         """What a draft node's own row adds at this width: packed, the row curve's slope from `sequences` rows to the
         full width's; padded, 0 (the width's rows are paid whatever the sequences draft)."""
         if not self.packed or not width:
             return 0.0
-        return (cost_at(self.rows, sequences * (width + 1)) - cost_at(self.rows, sequences)) / (sequences * width)
+        return (self.rows_ms(sequences * (width + 1)) - self.rows_ms(sequences)) / (sequences * width)
 
     def least_node_ms(self, sequences: int) -> float:
         """What a node costs at least, at any width (`node_ms`: the row curve's average slope from `sequences` rows
