@@ -850,3 +850,19 @@ def test_the_sizes_about_a_batch_size_are_a_range():
     for n in range(200):
         low, high = _about_range(n)
         assert [s for s in range(400) if _about(s, n)] == list(range(low, high + 1)), n
+
+
+def test_a_cost_model_read_back_from_its_cache_file_keeps_its_rows_in_order():
+    """A cached model is JSON, whose keys are strings: read back, its row counts are ints in order (sorted as
+    strings, 16 came before 2 and `least_node_ms` took slopes between rows out of order), and it prices as before."""
+    import json
+    from dataclasses import asdict
+
+    rows = {1: 10.0, 2: 10.2, 4: 11.0, 8: 11.6, 16: 14.0, 32: 20.0, 64: 30.0}
+    model = BatchCost(rows, 0.001, 0.2, errors={1: 0.1, 16: 0.2, 2: 0.05}, packed=True)
+    read = BatchCost(**json.loads(json.dumps(asdict(model))))
+    assert list(read.rows) == [1, 2, 4, 8, 16, 32, 64] and list(read.errors) == [1, 2, 16]
+    assert read == model
+    for n in (1, 2, 4, 16, 40):
+        assert read.least_node_ms(n) == model.least_node_ms(n)
+    assert read.least_node_ms(16) == pytest.approx((30.0 - 20.0) / 32)  # the slopes from 16 rows on: 32 -> 64

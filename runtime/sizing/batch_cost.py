@@ -63,8 +63,10 @@ class BatchCost:
     e: float = 0.0  # ms per sequence and cached key beyond PASTS[0] (its keys and values read, whatever its rows)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rows", {int(r): float(ms) for r, ms in sorted(self.rows.items())})
-        object.__setattr__(self, "errors", {int(s): float(e) for s, e in sorted(self.errors.items())})
+        # ints sorted (a cached file's keys are strings: sorted as such, 16 came before 2 and `least_node_ms` took
+        # slopes between rows out of order)
+        object.__setattr__(self, "rows", dict(sorted((int(r), float(ms)) for r, ms in self.rows.items())))
+        object.__setattr__(self, "errors", dict(sorted((int(s), float(e)) for s, e in self.errors.items())))
         object.__setattr__(self, "_row_ms", {})  # R -> cost_at(rows, R), as asked (a plan asks ~60 a round)
 
     def rows_ms(self, rows: int) -> float:
