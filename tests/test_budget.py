@@ -101,7 +101,7 @@ def test_the_allocation_is_the_brute_force_optimum(seed, packed):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_one_sequences_plan_is_the_batch_iterations(packed):
-    """A sequence alone is planned without the batch's Dinkelbach iteration (`_allocate_one`): its plan is the
+    """A sequence alone is planned without the batch's Dinkelbach iteration (`allocate`): its plan is the
     iteration's, offer for offer, on row curves of uneven slopes, with margins, overheads, a tree's cost, shared
     drafting and offers of any size in any order."""
     from headstart.runtime.sizing.planner import WIDTHS, _allocate_batch

@@ -86,7 +86,7 @@ def allocate(
 
     Every case's Dinkelbach iteration runs at once, as arrays over (case, sequence, offer): the server plans every
     round, and one Python loop per case and sequence cost ~1 ms a round at 16 sequences. One sequence's plan is one
-    offer at its best width (`_allocate_one`: the iteration's ~20 array operations a step cost ~0.5 ms of a ~17 ms
+    offer at its best width, without it (the iteration's ~20 array operations a step cost ~0.5 ms of a ~17 ms
     bfloat16 round alone, in-process)."""
     b = len(offers)
     plain = plain_rate(b, longest, cost, margin, overhead_ms)
@@ -94,33 +94,18 @@ def allocate(
     if not offered:
         return 0, [None] * b
     widths = sorted(offered & set(WIDTHS) | {max(offered)})
-    if b == 1:
-        return _allocate_one(offers[0], widths, longest, cost, plain, overhead_ms, tree_ms)
+    if b == 1:  # one offer at its best width (its shared drafting paid once: all of its drafting)
+        own = [o for o in offers[0] if o.nodes > 0]
+        nodes, gain, ms = np.array([[o.nodes, o.gain, o.draft_ms] for o in own], dtype=np.float64).T  # (M,) each
+        width = np.array(widths, dtype=np.float64)[:, None]  # (W, 1)
+        base = np.array([[cost.base_ms(1, w, longest) + overhead_ms + tree_ms] for w in widths])  # (W, 1)
+        per_node = np.array([[cost.node_ms(1, w)] for w in widths])  # (W, 1)
+        rate = np.where(nodes <= width, (1 + gain) / (base + ms + per_node * nodes), -np.inf)  # (W, M)
+        best = int(np.argmax(rate))  # width-major: the narrowest of the best
+        if not rate.flat[best] > plain * (1 + 1e-12):
+            return 0, [None]
+        return own[best % len(own)].nodes, [own[best % len(own)]]
     return _allocate_batch(offers, widths, longest, cost, plain, overhead_ms, tree_ms)
-
-
-def _allocate_one(
-    own: Sequence[Offer],
-    widths: list[int],
-    longest: int,
-    cost: BatchCost,
-    plain: float,
-    overhead_ms: float,
-    tree_ms: float,
-) -> tuple[int, list[Offer | None]]:
-    """`allocate` for one sequence: of its offers at each width that holds them, the best tokens per ms (its shared
-    drafting paid once: all of its drafting), where it beats `plain`; the narrowest width first among equals."""
-    own = [o for o in own if o.nodes > 0]
-    nodes, gain, ms = np.array([[o.nodes, o.gain, o.draft_ms] for o in own], dtype=np.float64).T  # (M,) each
-    width = np.array(widths, dtype=np.float64)[:, None]  # (W, 1)
-    base = np.array([[cost.base_ms(1, w, longest) + overhead_ms + tree_ms] for w in widths])  # (W, 1)
-    per_node = np.array([[cost.node_ms(1, w)] for w in widths])  # (W, 1)
-    rate = np.where(nodes <= width, (1 + gain) / (base + ms + per_node * nodes), -np.inf)  # (W, M)
-    best = int(np.argmax(rate))  # width-major: the narrowest of the best
-    if not rate.flat[best] > plain * (1 + 1e-12):
-        return 0, [None]
-    pick = own[best % len(own)]
-    return pick.nodes, [pick]
 
 
 def _allocate_batch(
