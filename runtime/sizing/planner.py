@@ -292,13 +292,8 @@ def _tier_surplus(
     return value
 
 
-def _about(size: int, n: int) -> bool:
-    """Whether a batch of `size` sequences is about as large as one of `n`: 3/4 n to 3/2 n."""
-    return 4 * size >= 3 * n and 2 * size <= 3 * n
-
-
 def _about_range(n: int) -> tuple[int, int]:
-    """The sizes `_about` `n`, as a range: the least and the most (a record of hundreds of rounds is read a plan)."""
+    """The batch sizes about as large as `n` (3/4 n to 3/2 n): the least and the most."""
     return -(-3 * n // 4), 3 * n // 2
 
 
@@ -462,7 +457,8 @@ class Planner:
         longest = max(len(c) for c in contexts) - 1
         n = b + waiting
         rest, then = self._resting
-        if rest and _about(n, then):
+        low, high = _about_range(then)
+        if rest and low <= n <= high:
             self._resting = (rest - 1, then)
             picks: list[Offer | None] = [None] * b
         else:
