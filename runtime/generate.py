@@ -185,7 +185,10 @@ class Batch:
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
         self.mix = target.mixes_prefill if mix is None else mix
         self.decoding: list[Request] = []  # in slots 0, 1, ...
-        self._sample = True  # the last round's time is a sample of a round's cost (no prefill rode in its forward)
+        # the time since the last plan is a sample of a round's cost: not before this batch's first round (the
+        # planner's last plan was another batch's: `headstart bench` ran the other methods in between), nor after an
+        # empty round (a server's idle wait), nor after a round whose forward carried a joiner's prompt chunk
+        self._sample = False
         self.joining: list[Request] = []  # waiting, the first one prefilling in the slot after the decoding ones
 
     def __len__(self) -> int:
@@ -223,6 +226,7 @@ class Batch:
         prefill_s = time.perf_counter() - t0
         live = list(self.decoding)
         if not live:
+            self._sample = False
             return []
         target, phases = self.target, Phases()
         staged = self._stage() if self.mix else []
@@ -231,7 +235,7 @@ class Batch:
         if self.planner is not None:
             waiting = min(len(self.joining), self.target.slots - len(live))  # joiners with a slot, not yet decoding
             sizes = self.planner.plan(drafters, contexts, prefill_s, waiting, self._sample)
-        self._sample = not staged  # a round whose forward carries a prefill is no sample of a round's cost
+        self._sample = not staged
         trees = propose_all(drafters, contexts, sizes)  # heads' forwards batched
         trees = [
             t if target.lengths[r.slot] + len(t) + 1 <= target.max_len else DraftTree()

@@ -98,3 +98,17 @@ def test_lookup_graft_at_every_temperature():
     drafter.start(context[:-1], None, SamplingParams(1.0))
     grafted = drafter.propose(context)
     assert grafted.tokens == [4, 7, 1, 2] and grafted.draft_probs[2:].argmax(1).tolist() == [1, 2]
+
+
+def test_the_lookup_drafter_is_its_branches_grafted_onto_nothing():
+    """`lookup` as built (`registry.make_drafter`: a graft onto the none drafter, so the load budget values what it
+    finds now) drafts `LookupDrafter.propose`'s tree, its budget and n-grams as given."""
+    from headstart.runtime.drafters.registry import make_drafter
+
+    contexts = [[3, 5, 7, 1, 2, 9, 9, 4, 6, 8, 3, 5], [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2], [4, 4, 4, 4], [8, 9]]
+    for options in ({}, {"budget": 3}, {"max_ngram": 4, "min_ngram": 1, "max_branches": 3}):
+        drafter, alone = make_drafter("lookup", **options), LookupDrafter(LookupOptions(**options))
+        assert drafter.name == "lookup"
+        for context in contexts:
+            tree, want = drafter.propose(context), alone.propose(context)
+            assert (tree.tokens, tree.parents) == (want.tokens, want.parents), (options, context)

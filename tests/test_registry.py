@@ -27,7 +27,8 @@ def test_specs_parse_once_for_everyone():
 
 
 def test_options_reach_their_drafter_or_are_named():
-    assert make_drafter("lookup", budget=4).options == LookupOptions(budget=4)  # once dropped silently
+    lookup = make_drafter("lookup", budget=4)  # its branches grafted onto nothing, at most `budget` of them
+    assert lookup.lookup.options == LookupOptions(budget=4) and lookup.budget == 4  # once dropped silently
     with pytest.raises(ValueError, match="the lookup drafter takes no option 'draft_vocab'"):
         make_drafter("lookup", draft_vocab=100)
     with pytest.raises(ValueError, match="takes no option 'budget'"):

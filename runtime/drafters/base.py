@@ -81,6 +81,12 @@ class Drafter:
         return []
 
     @property
+    def drafts(self) -> bool:
+        """Whether it ever drafts a node: False for the none drafter (this class as it is), whose tree a graft's
+        lookup branches may fill alone (`lookup`)."""
+        return type(self).propose is not Drafter.propose or type(self).drafting is not Drafter.drafting
+
+    @property
     def catch_up_ms(self) -> float:
         """What its next drafting costs before it drafts (a head entering the pairs of its plain rounds)."""
         return 0.0

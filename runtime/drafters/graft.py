@@ -37,11 +37,14 @@ if TYPE_CHECKING:
 
 
 class LookupGraft(Drafter):
-    def __init__(self, inner: Drafter, lookup: LookupDrafter | None = None, budget: int | None = None) -> None:
-        """`budget`: the most nodes the lookup branches add to `inner`'s tree (None: `GraftOptions`' default)."""
+    def __init__(
+        self, inner: Drafter, lookup: LookupDrafter | None = None, budget: int | None = None, name: str | None = None
+    ) -> None:
+        """`budget`: the most nodes the lookup branches add to `inner`'s tree (None: `GraftOptions`' default);
+        `name`: the drafter's (None: `inner`'s +lookup or +suffix)."""
         self.budget = GraftOptions(*([] if budget is None else [budget])).graft_budget  # validated there
         self.inner, self.lookup = inner, lookup or LookupDrafter()
-        self.name = f"{inner.name}+{self.lookup.name}"  # +lookup, +suffix
+        self.name = name or f"{inner.name}+{self.lookup.name}"
         self.feature_layers = inner.feature_layers
         self.alone: tuple[Continuations, int] | None = None  # this round's pool tree drafted alone, its pool nodes
         self.own = 0  # nodes of the inner drafter's in the last tree drafted (they come first)

@@ -30,6 +30,7 @@ What each offer is worth comes from the drafter's own evidence, through the inte
   with the pool's branches grafted; taken, the heads rest. Offered only whole, and only where the pool expected
   `alone_gain` nodes, on the agent workload its trees verified 43 ms a round for 10 tokens; cut and chosen, 26.6
   ms for 6.8 (eagle+suffix 1.26x eagle+lookup against 1.01x: docs/benchmarks.md);
+- lookup alone (`lookup`: its branches grafted onto the none drafter): the graft's offers only;
 - any other drafter (`curve` empty): its whole tree, of the size and acceptance its rounds so far had (OTHER_PRIOR
   before any).
 The tree is cut to the size's nodes (`DraftTree.prefix`), so the width the budget paid for is never exceeded.
@@ -59,6 +60,8 @@ GRID = tuple(2.0 ** (k / 4) for k in range(-12, 9))  # a request's own factor on
 REFERENCE = 6  # nodes of the tree whose rounds the prior counts
 GRAFT_PRIOR = 0.5  # a grafted node's chance of acceptance once the grafted nodes before it were (1 node a round at 8)
 GRAFT_SIZES = (1, 2, 4)  # a graft is offered whole and cut to its first this many nodes
+FORGET_ROUNDS = 256  # grafted rounds weigh e^-1 after a request has observed this many rounds more (every fork's)
+FORGET_EVERY = 32  # ... applied each time it has observed this many
 OTHER_PRIOR = (8.0, 1.0)  # an uncalibrated drafter's (nodes, accepted nodes) per round, before its first
 
 
@@ -87,6 +90,7 @@ class Budgeted(Drafter):
         self._round: tuple[int, int, int, float] | None = None
         self._graft_gains: tuple[int, np.ndarray | None] = (-1, None)  # (`_grafted_rounds` then, `graft_gains`)
         self._grafts = 0  # this request's grafted rounds observed
+        self._observed = 0  # this request's rounds observed
 
     @property
     def graft(self) -> LookupGraft | None:
@@ -182,6 +186,8 @@ class Budgeted(Drafter):
             catch_up = self.heads.catch_up_ms  # what its head enters first: paid by the round that drafts
             nodes, gain, draft_ms, shared_ms = self._columns(own)
             return own, catch_up, (nodes, gain, (draft_ms + catch_up) - shared_ms)
+        if not self.heads.drafts:  # lookup branches grafted onto nothing (`lookup`): only the graft's offers
+            return [], 0.0, (np.zeros(0), np.zeros(0), np.zeros(0))
         rounds, nodes, accepted, seconds = self.other_seen
         n = max(round((OTHER_PRIOR[0] + nodes) / (1 + rounds)), 1)
         own = [Offer(n, (OTHER_PRIOR[1] + accepted) / (1 + rounds), 1e3 * seconds / max(rounds, 1), heads=n)]
@@ -191,11 +197,14 @@ class Budgeted(Drafter):
     def graft_gains(self) -> np.ndarray:
         """(graft budget,) the expected accepted nodes of a graft cut to its first 1, 2, ... nodes: the sum over its
         depths of the chance that every grafted node down to that depth is accepted (each depth's share, this
-        request's rounds after the traffic's as one round's worth)."""
+        request's rounds after the other requests' as one round's worth). Counting its own rounds twice (in the
+        traffic, then as its own) and forgetting none, a request alone valued lookup's depth 1 at 0.06 after two
+        grafts missed (Spec-Bench, where it is accepted in half of the rounds it finds a branch), and it never
+        grafted again; grafted rounds now fade (FORGET_ROUNDS), so a rate learnt low is tried again."""
         held = self._graft_gains if self._grafts else self._traffic_gains[0]  # alike for every request yet to graft
         now, gains = held
         if gains is None or now != self._grafted_rounds[0]:  # kept until a fork observes a grafted round
-            reached, passed = self.traffic
+            reached, passed = np.maximum(self.traffic - self.graft_seen, 0.0)  # the other requests' rounds
             traffic = (GRAFT_PRIOR + passed) / (1 + reached)  # (budget,)
             reached, passed = self.graft_seen
             gains = np.cumsum(np.cumprod((traffic + passed) / (1 + reached)))
@@ -281,6 +290,11 @@ class Budgeted(Drafter):
                     seen[1] += tried & (depth < accepted)
                 self._grafted_rounds[0] += 1
                 self._grafts += 1
+        self._observed += 1
+        if self._observed % FORGET_EVERY == 0:  # grafted rounds fade, the request's and (at every fork's) the traffic's
+            for seen in (self.graft_seen, self.traffic):
+                seen *= (1 - 1 / FORGET_ROUNDS) ** FORGET_EVERY
+            self._grafted_rounds[0] += 1
         self.inner.observe(tree, path, hidden, next_token)
 
 

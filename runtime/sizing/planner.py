@@ -334,36 +334,42 @@ class Planner:
     speculation look cheap (83 % of sequence-rounds speculated, 0.84x plain, float32). `clock`: seconds, as
     `time.perf_counter` (tests).
 
-    What the model promises is checked by what the rounds measure (`trees_lose`): each round's tokens per ms (its
-    drafting in, a joiner's prefill out) over what the model says plain decoding makes at its batch size; where the
-    rounds with trees made less of it than the plain rounds at about that batch size, no tree is offered there until
-    those tree rounds have left the record (MEASURED_ROUNDS rounds on: then MEASURED_LEAST are tried again).
+    What the model promises is checked by what the rounds measure (`trees_lose`): the rounds' tokens (their drafting
+    in, a joiner's prefill out) over what the model says plain decoding makes in their time at their batch size;
+    where the rounds with trees made less of it than the plain rounds at about that batch size, no tree is offered
+    there until those tree rounds have left the record (MEASURED_ROUNDS rounds on: then MEASURED_LEAST are tried again).
 
     A busy batch rarely speculates, and asking each sequence every round what its tree would be worth cost ~0.8 ms
-    of a 55 ms round at 16 sequences (float32, in-process), where 1 % of the sequence-rounds got a tree: after a plan
-    that gave no tree the next is made a round on, after two such plans in a row two rounds on, then 4, then every
-    RESTS_MOST rounds, the rounds between planned plain without asking; a plan that gives a tree, a plan that took
-    less than REST_SHARE of what the model says a plain forward of the batch costs (alone, a plan is cheap and a
-    missed tree dear), or a batch size out of 3/4 to 3/2 of the last plan's, plans the next round again."""
+    of a 55 ms round at 16 sequences (float32, in-process), where 1 % of the sequence-rounds got a tree: where the
+    plans at about the batch size (the last OVERHEAD_ROUNDS, MEASURED_LEAST at least) promised fewer tokens beyond
+    plain's, on average, than their own time cost at the plain rate (`plans_pay`), after a plan that gave no tree the
+    next is made a round on, after two such plans in a row two rounds on, then 4, then every RESTS_MOST rounds, the
+    rounds between planned plain without asking; a plan that gives a tree, or a batch size out of 3/4 to 3/2 of the
+    last plan's, plans the next round again. A request alone whose lookup finds a branch now and then plans every
+    round: a plan costs ~0.1 ms, a branch found is worth a token or more (rested whenever a plan took 1 % of the
+    forward, `lookup` on Spec-Bench was planned in 152 of 1,171 rounds, bfloat16, and drafted in one)."""
 
     OVERHEAD_ROUNDS = 64
     RESTS_MOST = 8  # after plans that gave no tree, the next is made 1, 2, 4, then at most this many rounds on
-    REST_SHARE = 0.01  # ... where a plan took more than this share of a plain forward of the batch
     MEASURED_ROUNDS = 256  # the rounds `trees_lose` looks back over
     MEASURED_LEAST = 8  # ... of which it needs this many plain and this many with trees at about the batch size
+    STALLED = 4.0  # ... a round's time counted at most this many times its kind's median
 
     def __init__(self, cost: BatchCost, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cost, self.clock = cost, clock
         self.overheads: deque[tuple[int, float]] = deque(maxlen=self.OVERHEAD_ROUNDS)  # plain rounds: (sequences, ms)
         # rounds with trees: (ms beyond the model, sequences, sequences given a tree)
         self.tree_rounds: deque[tuple[float, int, int]] = deque(maxlen=self.OVERHEAD_ROUNDS)
-        # every round: (sequences, with trees, its tokens per ms over the model's plain rate at its batch size)
-        self.yields: deque[tuple[int, bool, float]] = deque(maxlen=self.MEASURED_ROUNDS)
+        # every round: (sequences, with trees, its tokens, the tokens the model's plain rate at its batch size makes
+        # in its time)
+        self.yields: deque[tuple[int, bool, int, float]] = deque(maxlen=self.MEASURED_ROUNDS)
         # (when the last plan was made, the model's ms of its forward, sequences, sequences given a tree, the model's
         # ms of a plain forward of its sequences)
         self._last: tuple[float, float, int, int, float] | None = None
         self._observed: tuple[int, float] = (0, 0.0)  # the last round's (tokens, drafting seconds)
         self._idle = 0  # plans in a row that gave no sequence a tree
+        # plans made: (sequences, the tokens they promised beyond plain's in their round, their own time's tokens)
+        self.plans: deque[tuple[int, float, float]] = deque(maxlen=self.OVERHEAD_ROUNDS)
         self._resting = (0, 0)  # (rounds still planned plain unasked, the batch size then)
 
     def observe(self, tokens: int, drafted_s: float) -> None:
@@ -371,30 +377,56 @@ class Planner:
         the seconds its drafting took, as measured (the time since the plan less them is the rest of the round)."""
         self._observed = (tokens, drafted_s)
 
-    def _choose(self, drafters: Sequence[Sized], contexts: Sequence[list[int]], longest: int, n: int) -> list:
-        """The plan of the decoding sequences (`drafters`) among `n`: each one's offer, None for a plain step."""
+    def _choose(
+        self, drafters: Sequence[Sized], contexts: Sequence[list[int]], longest: int, n: int
+    ) -> tuple[list, float, float]:
+        """The plan of the decoding sequences (`drafters`) among `n`: each one's offer, None for a plain step; the
+        tokens it promises beyond what plain decoding makes in the time its trees add, and the plain rate (tokens
+        per ms)."""
         b = len(drafters)
-        if self.trees_lose(n):
-            return [None] * b
         margin, overhead, tree_ms = self.cost.error(n), self.overhead_ms(n) * n, self.tree_ms()
-        price = Price(plain_rate(n, longest, self.cost, margin, overhead), self.cost.least_node_ms(n), tree_ms)
+        rate = plain_rate(n, longest, self.cost, margin, overhead)
+        if self.trees_lose(n):
+            return [None] * b, 0.0, rate
+        price = Price(rate, self.cost.least_node_ms(n), tree_ms)
         asked = who_could_pay(
             [d.evidence(c) for d, c in zip(drafters, contexts, strict=True)], price, self.cost, longest, n
         )
         if not any(asked):
-            return [None] * b
+            return [None] * b, 0.0, rate
         offers = [d.offers(c, price) if a else [] for d, c, a in zip(drafters, contexts, asked, strict=True)]
-        return allocate(offers + [[]] * (n - b), longest, self.cost, margin, overhead, tree_ms)[1][:b]
+        picks = allocate(offers + [[]] * (n - b), longest, self.cost, margin, overhead, tree_ms)[1]
+        trees = [o for o in picks if o is not None]
+        added = plan_ms(picks, longest, self.cost) - self.cost.forward_ms(n, 0, longest) + tree_ms * len(trees)
+        return picks[:b], sum(o.gain for o in trees) - rate * added, rate
+
+    def plans_pay(self, n: int) -> bool:
+        """Whether the plans made at about `n` sequences (3/4 n to 3/2 n) promised more tokens beyond plain's, on
+        average, than their own time cost at the plain rate (True until MEASURED_LEAST are seen)."""
+        low, high = _about_range(n)
+        near = [(promised, spent) for s, promised, spent in self.plans if low <= s <= high]
+        if len(near) < self.MEASURED_LEAST:
+            return True
+        return sum(promised for promised, _ in near) > sum(spent for _, spent in near)
 
     def trees_lose(self, n: int) -> bool:
-        """Whether the rounds with trees at about `n` sequences (3/4 n to 3/2 n) made fewer tokens per ms, over the
-        model's plain rate, than the plain rounds there (medians; False until MEASURED_LEAST of each are seen)."""
+        """Whether the rounds with trees at about `n` sequences (3/4 n to 3/2 n) made fewer tokens, over what the
+        model's plain rate makes in their time, than the plain rounds there: each kind's tokens over its time, a
+        round's time at most STALLED times its kind's median (a stall between two rounds is no round's cost; a
+        median of the rounds' own rates read lookup's grafts, lost in half of the rounds for 0 tokens and won in the
+        others for 3, as losing, where they made 1.1x plain). False until MEASURED_LEAST of each kind are seen."""
         low, high = _about_range(n)
-        near = [(trees, y) for s, trees, y in self.yields if low <= s <= high]
-        plain, trees = [y for t, y in near if not t], [y for t, y in near if t]
-        if min(len(plain), len(trees)) < self.MEASURED_LEAST:
+        kinds: tuple[list, list] = ([], [])  # plain rounds, rounds with trees: (tokens, plain's tokens in their time)
+        for s, speculated, tokens, at_plain in self.yields:
+            if low <= s <= high:
+                kinds[speculated].append((tokens, at_plain))
+        if min(len(k) for k in kinds) < self.MEASURED_LEAST:
             return False
-        return statistics.median(trees) < statistics.median(plain)
+        rates = []
+        for kind in kinds:
+            most = self.STALLED * statistics.median(at_plain for _, at_plain in kind)
+            rates.append(sum(t for t, _ in kind) / sum(min(at_plain, most) for _, at_plain in kind))
+        return rates[1] < rates[0]
 
     def overhead_ms(self, n: int) -> float:
         """A sequence's share of a round beyond the model (ms) at `n` sequences: the median of the plain rounds seen
@@ -418,8 +450,10 @@ class Planner:
 
     def tree_ms(self) -> float:
         """What a sequence that speculates costs a round beyond a plain one's share (ms) at that round's batch size:
-        0 until plain rounds have told that share apart."""
-        if not self.overheads or not self.tree_rounds:
+        0 until plain rounds have told that share apart and MEASURED_LEAST rounds with trees are seen (from one, the
+        slow round of a batch of one's first graft, 2.7 ms a tree was charged to every tree after it, and none was
+        drafted again: Spec-Bench, bfloat16)."""
+        if not self.overheads or len(self.tree_rounds) < self.MEASURED_LEAST:
             return 0.0
         share = {s: self.overhead_ms(s) for s in {s for _, s, _ in self.tree_rounds}}
         return max(statistics.median((beyond - share[s] * s) / trees for beyond, s, trees in self.tree_rounds), 0.0)
@@ -451,9 +485,8 @@ class Planner:
             else:
                 self.overheads.append((sequences, beyond))
             if tokens:
-                self.yields.append(
-                    (sequences, trees > 0, tokens * plain_ms / (sequences * 1e3 * (now - then - prefill_s)))
-                )
+                at_plain = sequences * 1e3 * (now - then - prefill_s) / plain_ms  # plain's tokens in that time
+                self.yields.append((sequences, trees > 0, tokens, at_plain))
         longest = max(len(c) for c in contexts) - 1
         n = b + waiting
         rest, then = self._resting
@@ -462,10 +495,10 @@ class Planner:
             self._resting = (rest - 1, then)
             picks: list[Offer | None] = [None] * b
         else:
-            t0 = time.perf_counter()
-            picks = self._choose(drafters, contexts, longest, n)
-            dear = 1e3 * (time.perf_counter() - t0) > self.REST_SHARE * self.cost.forward_ms(n, 0, longest)
-            self._idle = 0 if any(picks) or not dear else self._idle + 1
+            t0 = self.clock()
+            picks, promised, rate = self._choose(drafters, contexts, longest, n)
+            self.plans.append((n, promised, rate * 1e3 * (self.clock() - t0)))
+            self._idle = 0 if any(picks) or self.plans_pay(n) else self._idle + 1
             self._resting = (min(2 ** (self._idle - 1), self.RESTS_MOST) - 1 if self._idle else 0, n)
         plain_ms = self.cost.forward_ms(b, 0, longest)
         self._last = (now, forward_ms(picks, longest, self.cost), b, sum(o is not None for o in picks), plain_ms)
