@@ -12,6 +12,7 @@ import pytest
 
 from headstart.cli import main
 from headstart.runtime.apps.server.app import ServeConfig, build_app
+from headstart.runtime.sizing.planner import Planner
 from helpers.server import NAME, LiveServer, leave_at_first_token, tiny_engine, wait_until
 
 PROMPTS = ["the cat sat on", "a dog ran far", "one two three", "red blue green and", "then it was good"]
@@ -454,6 +455,9 @@ def test_the_budget_sizes_trees_by_load(tiny_model_dir, monkeypatch, curve):
 
     cost = {"steep": BatchCost.linear(10.0, 0.5, 0.0), "flat": BatchCost.linear(10.0, 0.001, 0.0)}[curve]
     monkeypatch.setattr("headstart.runtime.sizing.batch_cost.batch_cost", lambda target, cache: cost)
+    # the planner's checks against measured time (`trees_lose`, `plans_pay`: tests/test_budget.py) follow the clock
+    # here (a tiny random model whose grafts are seldom accepted, the plans' own time): the plan is the model's alone
+    monkeypatch.setattr(Planner, "MEASURED_LEAST", 10**9)
     engine = tiny_engine(tiny_model_dir, "lookup")
     engine.eos_ids = frozenset()
     live = LiveServer(engine, max_batch=4)
