@@ -450,9 +450,9 @@ class Planner:
 
     def tree_ms(self) -> float:
         """What a sequence that speculates costs a round beyond a plain one's share (ms) at that round's batch size:
-        0 until plain rounds have told that share apart and MEASURED_LEAST rounds with trees are seen (from one, the
-        slow round of a batch of one's first graft, 2.7 ms a tree was charged to every tree after it, and none was
-        drafted again: Spec-Bench, bfloat16)."""
+        0 until plain rounds have told that share apart and MEASURED_LEAST rounds with trees are seen (from a batch
+        of one's first graft round or two, 2.7 ms a tree was charged to every tree after, and none was drafted
+        again: Spec-Bench, bfloat16)."""
         if not self.overheads or len(self.tree_rounds) < self.MEASURED_LEAST:
             return 0.0
         share = {s: self.overhead_ms(s) for s in {s for _, s, _ in self.tree_rounds}}
