@@ -400,6 +400,18 @@ class Planner:
         added = plan_ms(picks, longest, self.cost) - self.cost.forward_ms(n, 0, longest) + tree_ms * len(trees)
         return picks[:b], sum(o.gain for o in trees) - rate * added, rate
 
+    def plain_unmeasured(self, n: int) -> bool:
+        """Whether this round at about `n` sequences is made plain to measure plain decoding: where the record holds
+        a quarter of MEASURED_ROUNDS rounds with trees there and fewer than MEASURED_LEAST plain ones, `trees_lose`
+        has nothing to compare them with (a request alone speculated in 98 % of its rounds with 1.9-node trees at
+        0.95x plain, bfloat16, served). About MEASURED_LEAST rounds of MEASURED_ROUNDS go plain so."""
+        low, high = _about_range(n)
+        kinds = [0, 0]  # plain rounds, rounds with trees
+        for s, speculated, _, _ in self.yields:
+            if low <= s <= high:
+                kinds[speculated] += 1
+        return kinds[1] >= self.MEASURED_ROUNDS // 4 and kinds[0] < self.MEASURED_LEAST
+
     def plans_pay(self, n: int) -> bool:
         """Whether the plans made at about `n` sequences (3/4 n to 3/2 n) promised more tokens beyond plain's, on
         average, than their own time cost at the plain rate (True until MEASURED_LEAST are seen)."""
@@ -494,6 +506,8 @@ class Planner:
         if rest and low <= n <= high:
             self._resting = (rest - 1, then)
             picks: list[Offer | None] = [None] * b
+        elif self.plain_unmeasured(n):
+            picks = [None] * b
         else:
             t0 = self.clock()
             picks, promised, rate = self._choose(drafters, contexts, longest, n)
