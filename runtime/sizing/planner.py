@@ -337,7 +337,8 @@ class Planner:
     What the model promises is checked by what the rounds measure (`trees_lose`): the rounds' tokens (their drafting
     in, a joiner's prefill out) over what the model says plain decoding makes in their time at their batch size;
     where the rounds with trees made less of it than the plain rounds at about that batch size, no tree is offered
-    there until those tree rounds have left the record (MEASURED_ROUNDS rounds on: then MEASURED_LEAST are tried again).
+    there until those tree rounds have left the record (MEASURED_ROUNDS rounds on: then MEASURED_LEAST are tried again);
+    where nearly every round speculates, some are made plain to keep plain measured (`plain_unmeasured`).
 
     A busy batch rarely speculates, and asking each sequence every round what its tree would be worth cost ~0.8 ms
     of a 55 ms round at 16 sequences (float32, in-process), where 1 % of the sequence-rounds got a tree: where the
