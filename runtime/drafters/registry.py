@@ -343,14 +343,13 @@ def make_drafter(
     resolved = resolve(spec, profile, **options)
     ctx = Context(model, tokenizer, model_name)
     drafter = entry(spec.base).build(resolved["inner"], ctx)
+    if not spec.graft and not entry(spec.base).branches_alone:
+        return drafter
+    from headstart.runtime.drafters.base import Drafter
     from headstart.runtime.drafters.graft import LookupGraft
 
-    if entry(spec.base).branches_alone:
-        from headstart.runtime.drafters.base import Drafter
-
+    if not spec.graft:  # `branches_alone`: its branches grafted onto the none drafter
         return LookupGraft(Drafter(), drafter, resolved["inner"].budget, name=spec.base)
-    if not spec.graft:
-        return drafter
 
     branches = REGISTRY[spec.graft].build(resolved["lookup"], ctx)
     return LookupGraft(drafter, branches, resolved["graft"].graft_budget)

@@ -379,15 +379,15 @@ class Planner:
         self._observed = (tokens, drafted_s)
 
     def _choose(
-        self, drafters: Sequence[Sized], contexts: Sequence[list[int]], longest: int, n: int
+        self, drafters: Sequence[Sized], contexts: Sequence[list[int]], longest: int, n: int, near: tuple[list, list]
     ) -> tuple[list, float, float]:
         """The plan of the decoding sequences (`drafters`) among `n`: each one's offer, None for a plain step; the
         tokens it promises beyond what plain decoding makes in the time its trees add, and the plain rate (tokens
-        per ms)."""
+        per ms). `near`: `_yields_near(n)`."""
         b = len(drafters)
         margin, overhead, tree_ms = self.cost.error(n), self.overhead_ms(n) * n, self.tree_ms()
         rate = plain_rate(n, longest, self.cost, margin, overhead)
-        if self.trees_lose(n):
+        if self.trees_lose(near):
             return [None] * b, 0.0, rate
         price = Price(rate, self.cost.least_node_ms(n), tree_ms)
         asked = who_could_pay(
@@ -401,17 +401,24 @@ class Planner:
         added = plan_ms(picks, longest, self.cost) - self.cost.forward_ms(n, 0, longest) + tree_ms * len(trees)
         return picks[:b], sum(o.gain for o in trees) - rate * added, rate
 
-    def plain_unmeasured(self, n: int) -> bool:
-        """Whether this round at about `n` sequences is made plain to measure plain decoding: where the record holds
-        a quarter of MEASURED_ROUNDS rounds with trees there and fewer than MEASURED_LEAST plain ones, `trees_lose`
-        has nothing to compare them with (a request alone speculated in 98 % of its rounds with 1.9-node trees at
-        0.95x plain, bfloat16, served). About MEASURED_LEAST rounds of MEASURED_ROUNDS go plain so."""
+    def _yields_near(self, n: int) -> tuple[list, list]:
+        """The recorded rounds at about `n` sequences (3/4 n to 3/2 n), plain and with trees: (tokens, plain's tokens
+        in their time) each (read once a plan: `plain_unmeasured` and `trees_lose` judge them)."""
         low, high = _about_range(n)
-        kinds = [0, 0]  # plain rounds, rounds with trees
-        for s, speculated, _, _ in self.yields:
+        near: tuple[list, list] = ([], [])
+        for s, speculated, tokens, at_plain in self.yields:
             if low <= s <= high:
-                kinds[speculated] += 1
-        return kinds[1] >= self.MEASURED_ROUNDS // 4 and kinds[0] < self.MEASURED_LEAST
+                near[speculated].append((tokens, at_plain))
+        return near
+
+    def plain_unmeasured(self, near: tuple[list, list]) -> bool:
+        """Whether this round is made plain to measure plain decoding, `near` the rounds at about its batch size
+        (`_yields_near`): where they hold a quarter of MEASURED_ROUNDS rounds with trees and fewer than
+        MEASURED_LEAST plain ones, `trees_lose` has nothing to compare them with (a request alone speculated in 98 %
+        of its rounds with 1.9-node trees at 0.95x plain, bfloat16, served). About MEASURED_LEAST rounds of
+        MEASURED_ROUNDS go plain so."""
+        plain, trees = near
+        return len(trees) >= self.MEASURED_ROUNDS // 4 and len(plain) < self.MEASURED_LEAST
 
     def plans_pay(self, n: int) -> bool:
         """Whether the plans made at about `n` sequences (3/4 n to 3/2 n) promised more tokens beyond plain's, on
@@ -422,21 +429,16 @@ class Planner:
             return True
         return sum(promised for promised, _ in near) > sum(spent for _, spent in near)
 
-    def trees_lose(self, n: int) -> bool:
-        """Whether the rounds with trees at about `n` sequences (3/4 n to 3/2 n) made fewer tokens, over what the
-        model's plain rate makes in their time, than the plain rounds there: each kind's tokens over its time, a
-        round's time at most STALLED times its kind's median (a stall between two rounds is no round's cost; a
-        median of the rounds' own rates read lookup's grafts, lost in half of the rounds for 0 tokens and won in the
-        others for 3, as losing, where they made 1.1x plain). False until MEASURED_LEAST of each kind are seen."""
-        low, high = _about_range(n)
-        kinds: tuple[list, list] = ([], [])  # plain rounds, rounds with trees: (tokens, plain's tokens in their time)
-        for s, speculated, tokens, at_plain in self.yields:
-            if low <= s <= high:
-                kinds[speculated].append((tokens, at_plain))
-        if min(len(k) for k in kinds) < self.MEASURED_LEAST:
+    def trees_lose(self, near: tuple[list, list]) -> bool:
+        """Whether, of `near` (`_yields_near`: the rounds at about a batch size), the rounds with trees made fewer
+        tokens, over what the model's plain rate makes in their time, than the plain rounds: each kind's tokens over
+        its time, a round's time at most STALLED times its kind's median (a stall between two rounds is no round's
+        cost; a median of the rounds' own rates read lookup's grafts, lost in half of the rounds for 0 tokens and won
+        in the others for 3, as losing, where they made 1.1x plain). False until MEASURED_LEAST of each kind."""
+        if min(len(kind) for kind in near) < self.MEASURED_LEAST:
             return False
         rates = []
-        for kind in kinds:
+        for kind in near:
             most = self.STALLED * statistics.median(at_plain for _, at_plain in kind)
             rates.append(sum(t for t, _ in kind) / sum(min(at_plain, most) for _, at_plain in kind))
         return rates[1] < rates[0]
@@ -507,11 +509,11 @@ class Planner:
         if rest and low <= n <= high:
             self._resting = (rest - 1, then)
             picks: list[Offer | None] = [None] * b
-        elif self.plain_unmeasured(n):
+        elif self.plain_unmeasured(near := self._yields_near(n)):
             picks = [None] * b
         else:
             t0 = self.clock()
-            picks, promised, rate = self._choose(drafters, contexts, longest, n)
+            picks, promised, rate = self._choose(drafters, contexts, longest, n, near)
             self.plans.append((n, promised, rate * 1e3 * (self.clock() - t0)))
             self._idle = 0 if any(picks) or self.plans_pay(n) else self._idle + 1
             self._resting = (min(2 ** (self._idle - 1), self.RESTS_MOST) - 1 if self._idle else 0, n)
