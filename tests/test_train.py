@@ -263,6 +263,36 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_model_dir, monkey
             assert torch.equal(expected[f][name], resumed[name]), name
 
 
+def test_training_by_cpu_seconds_scores_on_the_way_and_stops_at_its_budget(tmp_path, tiny_model_dir, monkeypatch):
+    """`cpu_s` counts training's CPU-seconds, evaluation excluded: every record carries it, the first held-out rows
+    are scored at each eval_every_cpu_s mark, and a run stops (checkpoint, full evaluation, heads) at max_cpu_s."""
+    from headstart.train import trainer as trainer_module
+
+    clock = [0.0]  # a fake process CPU clock: a step spends 100 s, an evaluation 1,000
+    monkeypatch.setattr(trainer_module.time, "process_time", lambda: clock[0])
+    loss, evaluate = recipe.Trainer.loss, recipe.Trainer.evaluate
+
+    def step_loss(self, batch, step=0):
+        clock[0] += 100.0
+        return loss(self, batch, step)
+
+    def scored(self, rows=None):
+        clock[0] += 1000.0
+        return {**evaluate(self, rows), "rows": len(self.eval_rows if rows is None else rows)}
+
+    monkeypatch.setattr(recipe.Trainer, "loss", step_loss)
+    monkeypatch.setattr(recipe.Trainer, "evaluate", scored)
+    options = {"eval_every_cpu_s": 250, "eval_quick_rows": 3, "max_cpu_s": 450, "optim.max_steps": 100}
+    recipe.run(make_cfg(tmp_path, tiny_model_dir, "eagle", **options))
+    out = tmp_path / "out"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["cpu_s"]) for r in records] == [(1, 100), (2, 200), (3, 300), (4, 400), (5, 500)]
+    assert [r["step"] for r in records if "quick/acceptance_length" in r] == [3]  # the 250 mark; 500 is the end
+    assert records[2]["quick/rows"] == 3 and records[2]["rows"] == records[4]["rows"] == 8  # eval_every 3, the end
+    assert json.loads((out / "checkpoints" / "step-0000005" / "trainer.json").read_text()) == {"step": 5, "cpu_s": 500}
+    assert json.loads((out / "heads" / "config.json").read_text())["steps"] == 5
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa2"])
 def test_a_checkpoint_written_before_the_recipe_split_resumes_after_it(tmp_path, tiny_model_dir, kind):
     """tests/data/presplit/KIND: step 3 of the kill-and-resume run above, written by train/heads.py as it was
@@ -601,10 +631,12 @@ def test_report_png(tmp_path, capsys):
         run.mkdir()
         head = {"head_1/acceptance": 0.5, "head_2/top1": 0.1, "head_2/acceptance": 0.3, "acceptance_length": 1.5}
         rows = [{"step": s, "train/loss": 5 - slope * s, "head_1/top1": slope * s / 10, **head} for s in (1, 2, 3)]
+        rows += [{"step": 4, "cpu_s": 40.0, "quick/acceptance_length": 1.6}]  # scored on the way, by CPU-seconds
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "report.png"
-    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    for x in ("step", "cpu_s"):
+        assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--x", x]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "holds no metrics.jsonl" in capsys.readouterr().err
 
@@ -635,20 +667,33 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     a = recipe.Trainer(live, acc, model, tokenizer, rows)
     b = recipe.Trainer(cached, acc, model, tokenizer, rows)
     b.heads.load_state_dict(a.heads.state_dict())  # the same initial heads
-    for index in range(3):
-        batch = a.micro_batch(index)
-        assert torch.equal(batch["input_ids"], b.micro_batch(index)["input_ids"])
-        torch.manual_seed(index)  # EAGLE's feature noise
-        live_loss = a.loss(batch)
-        torch.manual_seed(index)
-        cached_loss = b.loss(batch)
-        torch.testing.assert_close(cached_loss, live_loss, rtol=1e-5, atol=1e-6)
+    # the cache fills as training goes: nothing is computed before the first step, each batch keeps its rows, a
+    # checkpoint writes them (a later run reads them), and a batch read back trains as the live one did
+    assert b.features.missing() == list(range(len(rows)))
+    seen: list[int] = []
+    for epoch in range(2):
+        for index in range(3):
+            batch = a.micro_batch(index)
+            assert torch.equal(batch["input_ids"], b.micro_batch(index)["input_ids"])
+            assert b.features.holds(batch["row_index"].tolist()) == (epoch == 1)
+            torch.manual_seed(index)  # EAGLE's feature noise
+            live_loss = a.loss(batch)
+            torch.manual_seed(index)
+            cached_loss = b.loss(batch)
+            torch.testing.assert_close(cached_loss, live_loss, rtol=1e-5, atol=1e-6)
+            seen += batch["row_index"].tolist()
+        if epoch == 0:
+            key = json.loads(b.features.key)
+            assert FeatureCache(tmp_path / "features", rows, key).missing() == list(range(len(rows)))  # not written
+            b.save_checkpoint(1)
+            b.features = FeatureCache(tmp_path / "features", rows, key, b.layers)  # a later run: read from its file
+    assert b.features.missing() == sorted(set(range(len(rows))) - set(seen)) != []
+    b.features.build(model, 0, 128)
 
     # a second run reuses every entry; a row whose tokens changed is computed again, the others are kept; new rows
     # (another source) are the only ones computed; a truncated file is ignored
     cache = FeatureCache(tmp_path / "features", rows, {"target": "tiny"})
     assert cache.missing() == list(range(len(rows)))  # another target key: nothing matches
-    key = json.loads(b.features.key)
     assert FeatureCache(tmp_path / "features", rows, key).missing() == []
     changed = [r if r.index else Row(r.input_ids[:-1], r.n_prompt, 0, r.id) for r in rows]
     assert FeatureCache(tmp_path / "features", changed, key).missing() == [0]
@@ -656,14 +701,14 @@ def test_cached_features_give_the_live_losses(tmp_path, tiny_model_dir, kind):
     grown = FeatureCache(tmp_path / "features", more, key, b.layers)
     assert grown.missing() == [len(rows)] and grown.build(model, 0, 128) == 1
     grown.scan()
-    assert grown.missing() == [] and len(list((tmp_path / "features").glob("*.safetensors"))) == 2
+    assert grown.missing() == [] and len(list((tmp_path / "features").glob("*.safetensors"))) == 3
     torch.testing.assert_close(
         grown.batch([len(rows)], 4)[0].float(),
         target_features(model, torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4), b.layers)[0].float(),
     )
     first = sorted((tmp_path / "features").glob("*.safetensors"), key=lambda p: p.stat().st_mtime)[0]
-    first.write_bytes(b"truncated")
-    assert FeatureCache(tmp_path / "features", more, key).missing() == list(range(len(rows)))
+    first.write_bytes(b"truncated")  # the file the first epoch's checkpoint wrote
+    assert FeatureCache(tmp_path / "features", more, key).missing() == sorted(set(seen))
     blocked = make_cfg(tmp_path, tiny_model_dir, kind, **{"data.features": str(tmp_path / "features" / "x" / "y")})
     (tmp_path / "features" / "x").write_text("")  # a file where the cache folder should be
     with pytest.raises(ConfigError, match="is not writable"):

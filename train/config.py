@@ -98,6 +98,9 @@ class TrainConfig:
     mixed_precision: str = ""  # no | bf16 | fp16, passed to Accelerate; "" = the launch config's (no without one)
     log_every: int = 10
     eval_every: int = 200
+    eval_every_cpu_s: float = 0.0  # also score the first eval_quick_rows held-out rows every this many CPU-seconds
+    eval_quick_rows: int = 64  # (`cpu_s`: training's, every thread of every process, evaluation excluded); 0 = off
+    max_cpu_s: float = 0.0  # stop once training has spent this many CPU-seconds (`cpu_s`); 0 = max_steps only
     save_every: int = 200
     report_to: str = "none"  # wandb | tensorboard | none
     save_dtype: str = "bfloat16"  # of the saved heads' weights (float32 keeps every bit)

@@ -1,7 +1,8 @@
 """`headstart report RUN_DIR...`: per-head curves of several training runs in one PNG, for people without W&B.
 
 Reads each run's `metrics.jsonl` (the same names as in W&B) and draws train loss, simulated
-acceptance length, and per head top-1 and conditional acceptance, one line per run.
+acceptance length, and per head top-1 and conditional acceptance, one line per run, against optimizer steps or
+training CPU-seconds (`cpu_s`; the acceptance of the first held-out rows scored on the way, `quick/`, dashed).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def run_label(run_dir: Path) -> str:
     return run_dir.name
 
 
-def draw_report(run_dirs: list[str | Path], out: str | Path) -> Path:
+def draw_report(run_dirs: list[str | Path], out: str | Path, x: str = "step") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,11 +49,15 @@ def draw_report(run_dirs: list[str | Path], out: str | Path) -> Path:
         ax = axes[layout[name]]
         ax.set_visible(True)
         for label, rows in runs.items():
-            points = [(r["step"], r[name]) for r in rows if name in r]
+            points = [(r[x], r[name]) for r in rows if name in r and x in r]
             if points:
-                ax.plot(*zip(*points, strict=True), marker="." if len(points) < 30 else None, label=label)
+                line = ax.plot(*zip(*points, strict=True), marker="." if len(points) < 30 else None, label=label)
+            quick = [(r[x], r[f"quick/{name}"]) for r in rows if f"quick/{name}" in r and x in r]
+            if quick:
+                color = line[0].get_color() if points else None
+                ax.plot(*zip(*quick, strict=True), "--", marker=".", color=color, label=f"{label}, first rows")
         ax.set_title(name)
-        ax.set_xlabel("step")
+        ax.set_xlabel("training CPU-seconds" if x == "cpu_s" else "step")
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()

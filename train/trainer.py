@@ -50,6 +50,26 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
+class CpuClock:
+    """The CPU-seconds this process has spent training (every thread; time stopped or waiting is not counted),
+    `paused()` while it does something else (evaluation)."""
+
+    def __init__(self, spent: float = 0.0) -> None:
+        self.spent, self._since = spent, time.process_time()
+
+    @property
+    def seconds(self) -> float:
+        return self.spent + time.process_time() - self._since
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.spent = self.seconds
+        try:
+            yield
+        finally:
+            self._since = time.process_time()
+
+
 class Trainer:
     def __init__(
         self, cfg: TrainConfig, accelerator, model, tokenizer, rows: list[Row], heldout: list[Row] | None = None
@@ -137,10 +157,18 @@ class Trainer:
     # ---- one loss --------------------------------------------------------------------------------
 
     def cache_features(self, rows: list[Row]) -> FeatureCache:
-        """The target's features of every row from data.features, computing what is missing (split over processes)."""
+        """The target's features of the rows from data.features. What is missing is computed as batches need it
+        (`target_features`), except under a sharded target, whose processes run every forward together: there it
+        is computed first (split over the processes)."""
         acc = self.acc
         key = {**target_fingerprint(self.model, self.tokenizer, self.cfg.target.model), "dtype": str(self.model.dtype)}
         cache = FeatureCache(ensure_writable_dir(self.cfg.data.features), rows, key, self.layers)
+        if not self.sharded:
+            acc.print(
+                f"headstart: target features of {len(rows) - len(cache.missing())} of {len(rows)} rows cached in "
+                f"{cache.dir}; the others are computed, and kept there, as batches need them"
+            )
+            return cache
         acc.wait_for_everyone()  # every process has scanned what exists before any writes more: their shares agree
         built = cache.build(
             self.model,
@@ -157,11 +185,15 @@ class Trainer:
         return cache
 
     def target_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Frozen target: its hidden states `self.layers` (B, T, F), from the cache when there is one."""
+        """Frozen target: its hidden states `self.layers` (B, T, F): from the cache where it holds every row of the
+        batch, else from the target, kept in the cache (when there is one) for the rows it lacked."""
+        rows = batch["row_index"].tolist()
+        if self.features is not None and self.features.holds(rows):
+            return self.features.batch(rows, batch["input_ids"].shape[1]).to(self.acc.device).float()
+        hidden = target_features(self.model, batch["input_ids"], batch["attention_mask"], self.layers)
         if self.features is not None:
-            width = batch["input_ids"].shape[1]
-            return self.features.batch(batch["row_index"].tolist(), width).to(self.acc.device).float()
-        return target_features(self.model, batch["input_ids"], batch["attention_mask"], self.layers).float()
+            self.features.keep(rows, hidden)
+        return hidden.float()
 
     def loss(self, batch: dict[str, torch.Tensor], step: int = 0) -> torch.Tensor:
         """The training loss of one micro-batch at optimizer step `step` (0-based)."""
@@ -179,16 +211,17 @@ class Trainer:
     # ---- evaluation ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Per-head top-1/top-5, conditional acceptance and simulated acceptance length on held-out rows
-        (`train/evaluate.py`), and what a target-training hook measures besides (Medusa-2: `drift/kl`)."""
+    def evaluate(self, rows: list[Row] | None = None) -> dict[str, float]:
+        """Per-head top-1/top-5, conditional acceptance and simulated acceptance length on held-out rows (`rows`:
+        default all; `train/evaluate.py`), and what a target-training hook measures besides (Medusa-2: `drift/kl`)."""
         module, heads = self.acc.unwrap_model(self.module), self.heads
         module.eval()
         K = self.depths
+        rows = self.eval_rows if rows is None else rows
         extra: dict[str, list[float]] = {}  # a hook's metric: [sum, count]
         hits: list[list[torch.Tensor]] = [[] for _ in range(K)]
-        for start in range(0, len(self.eval_rows), 8):
-            batch = collate(self.eval_rows[start : start + 8], self.pad_id)
+        for start in range(0, len(rows), 8):
+            batch = collate(rows[start : start + 8], self.pad_id)
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
             ids, mask = batch["input_ids"], batch["loss_mask"]
             if self.hook is not None:
@@ -218,27 +251,33 @@ class Trainer:
     def metrics_file(self) -> Path:
         return Path(self.cfg.output_dir) / "metrics.jsonl"
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, cpu_s: float = 0.0) -> None:
+        """Everything a resumed run needs at optimizer step `step`, `cpu_s` training CPU-seconds in (all processes')."""
+        if self.features is not None:
+            self.features.flush()
         path = self.ckpt_root / f"step-{step:07d}"
         self.acc.save_state(str(path))
         if self.acc.is_main_process:
             (path / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2))
-            (path / "trainer.json").write_text(json.dumps({"step": step}))  # written last: marks it complete
+            marker = {"step": step, "cpu_s": cpu_s}
+            (path / "trainer.json").write_text(json.dumps(marker))  # written last: marks it complete
             for old in sorted(self.ckpt_root.glob("step-*"))[:-2]:
                 shutil.rmtree(old, ignore_errors=True)
         self.acc.wait_for_everyone()
 
-    def resume(self) -> int:
-        """Load the newest complete checkpoint; the optimizer step to continue from (0 if none)."""
+    def resume(self) -> tuple[int, float]:
+        """Load the newest complete checkpoint; (the optimizer step to continue from, this process's share of the
+        training CPU-seconds every process spent before it) ((0, 0.0) if none)."""
         done = sorted(p for p in self.ckpt_root.glob("step-*") if (p / "trainer.json").is_file())
         if not done:
-            return 0
+            return 0, 0.0
         self.acc.load_state(str(done[-1]))
-        step = json.loads((done[-1] / "trainer.json").read_text())["step"]
+        marker = json.loads((done[-1] / "trainer.json").read_text())
+        step = marker["step"]
         self.acc.print(f"headstart: resuming from {done[-1]} (step {step})")
         if self.acc.is_main_process:
             drop_metrics_after(self.metrics_file, step)
-        return step
+        return step, marker.get("cpu_s", 0.0) / self.acc.num_processes
 
     def log_metrics(self, step: int, record: dict[str, float]) -> None:
         self.acc.log(record, step=step)
@@ -251,7 +290,11 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
         out = Path(cfg.output_dir)
-        start = self.resume()
+        start, spent = self.resume()
+        clock = CpuClock(spent)
+        quick = self.eval_rows[: cfg.eval_quick_rows]
+        every = cfg.eval_every_cpu_s if quick else 0.0
+        next_quick = (spent // every + 1) * every if every else math.inf  # the next CPU-seconds mark to score at
         world, rank = acc.num_processes, acc.process_index
         accum = cfg.optim.grad_accum
         tokens, t0 = 0, time.perf_counter()
@@ -267,7 +310,12 @@ class Trainer:
         metrics: dict[str, float] = {}
         best = self.best_so_far(out / "best")  # the best held-out acceptance's heads are kept in out/best
         if start == 0 and cfg.heads.init_from and self.eval_rows:  # where the trained heads start, on this data
-            self.log_metrics(0, self.evaluate())
+            with clock.paused():
+                first = self.evaluate()
+                if every:
+                    first.update({f"quick/{k}": v for k, v in self.evaluate(quick).items()})
+                self.log_metrics(0, {**first, "cpu_s": 0.0})
+        done = start
         for step in range(start, cfg.optim.max_steps):
             self.module.train()
             total = 0.0
@@ -285,8 +333,10 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             bar.update(1)
             done = step + 1
+            cpu_s = acc.reduce(torch.tensor(clock.seconds, device=acc.device), "sum").item()  # every process's
+            last = done == cfg.optim.max_steps or 0 < cfg.max_cpu_s <= cpu_s
             record: dict[str, float] = {}
-            if done % cfg.log_every == 0 or done == cfg.optim.max_steps:
+            if done % cfg.log_every == 0 or last:
                 seconds = time.perf_counter() - t0
                 total = acc.reduce(torch.tensor(total, device=acc.device), "mean").item()  # over processes
                 record.update(
@@ -297,18 +347,24 @@ class Trainer:
                     }
                 )
                 bar.set_postfix(loss=f"{total:.3f}")
-            if self.eval_rows and (done % cfg.eval_every == 0 or done == cfg.optim.max_steps):
-                metrics = self.evaluate()
-                record.update(metrics)
-                if metrics.get("acceptance_length", 0.0) > best:
-                    best = metrics["acceptance_length"]
-                    self.save_heads(out / "best", done, metrics)
+            with clock.paused():
+                if cpu_s >= next_quick and not last:
+                    record.update({f"quick/{k}": v for k, v in self.evaluate(quick).items()})
+                    next_quick = (cpu_s // every + 1) * every
+                if self.eval_rows and (done % cfg.eval_every == 0 or last):
+                    metrics = self.evaluate()
+                    record.update(metrics)
+                    if metrics.get("acceptance_length", 0.0) > best:
+                        best = metrics["acceptance_length"]
+                        self.save_heads(out / "best", done, metrics)
             if record:
-                self.log_metrics(done, record)
-            if done % cfg.save_every == 0 or done == cfg.optim.max_steps:
-                self.save_checkpoint(done)
+                self.log_metrics(done, {**record, "cpu_s": cpu_s})
+            if done % cfg.save_every == 0 or last:
+                self.save_checkpoint(done, cpu_s)
+            if last:
+                break
         bar.close()
-        self.save_heads(out / "heads", cfg.optim.max_steps, metrics)
+        self.save_heads(out / "heads", done, metrics)
         return metrics
 
     def best_so_far(self, folder: Path) -> float:

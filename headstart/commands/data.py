@@ -100,6 +100,12 @@ def add_parsers(sub) -> None:
     r = sub.add_parser("report", help="per-head training curves of several runs in one PNG")
     r.add_argument("runs", nargs="+", help="training output directories (with metrics.jsonl)")
     r.add_argument("--out", default="report.png")
+    r.add_argument(
+        "--x",
+        choices=("step", "cpu_s"),
+        default="step",
+        help="the curves against optimizer steps or training CPU-seconds (evaluation excluded)",
+    )
     r.set_defaults(run=cmd_report)
 
 
@@ -215,5 +221,5 @@ def cmd_drift(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     from headstart.train.report import draw_report
 
-    print(draw_report(args.runs, args.out))
+    print(draw_report(args.runs, args.out, args.x))
     return 0
