@@ -49,6 +49,7 @@ class GenerationStats:
     elapsed_s: float = 0.0  # prefill to last token
     prefill_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)  # seconds per phase of the rounds (PHASES)
+    treeless_phase_s: dict[str, float] = field(default_factory=dict)  # of those, rounds where no sequence drafted
 
     @property
     def acceptance_length(self) -> float:
@@ -260,9 +261,10 @@ class Batch:
         if self.planner is not None:
             self.planner.observe(sum(len(a.path) + 1 for a in accepted), phases.s["propose"])
         split = _split_verify(phases.s, verified[0])  # the forward's mask and lm_head seconds are the batch's
-        out = [(r, _emit(r, t, a, phases.s, split)) for r, t, a in zip(live, trees, accepted, strict=True)]
+        treeless = not any(trees)
+        out = [(r, _emit(r, t, a, phases.s, split, treeless)) for r, t, a in zip(live, trees, accepted, strict=True)]
         for (r, n), p, v in zip(staged, prefills, chunks, strict=True):
-            out += self._joined(r, n, p.last, v, layers, phases.s, split)
+            out += self._joined(r, n, p.last, v, layers, phases.s, split, treeless)
         for r, _ in out:
             if r.done:
                 self.remove(r)
@@ -291,7 +293,15 @@ class Batch:
         return staged
 
     def _joined(
-        self, r: Request, n: int, last: bool, v: Verified, layers: tuple[int, ...], phase: dict, split: dict
+        self,
+        r: Request,
+        n: int,
+        last: bool,
+        v: Verified,
+        layers: tuple[int, ...],
+        phase: dict,
+        split: dict,
+        treeless: bool,
     ) -> list[tuple[Request, Chunk]]:
         """After a round that fed `n` of joiner `r`'s prompt tokens: their features kept; where they ended the
         prompt, its drafter starts (the prompt's features but its root's), sees the root's round (a plain one: no
@@ -309,7 +319,7 @@ class Batch:
             return [(r, Chunk([], 0))]
         a = accept_path(DraftTree(), v.logits, r.sampling, r.rng)
         r.drafter.observe(DraftTree(), [], None if own is None else own[-1:], a.next_token)
-        return [(r, _emit(r, DraftTree(), a, phase, split))]
+        return [(r, _emit(r, DraftTree(), a, phase, split, treeless))]
 
     def _prefill(self) -> None:
         """Admit joiners in order while a slot is free and the cache fits them. While nothing decodes, every joiner
@@ -483,8 +493,11 @@ def _own(hidden: torch.Tensor | None, drafter: Drafter, layers: tuple[int, ...])
     )
 
 
-def _emit(r: Request, tree: DraftTree, accepted, phase: dict[str, float], split: dict[str, float]) -> Chunk:
-    """The round's new tokens of `r` (cut at EOS and the limit), its statistics updated."""
+def _emit(
+    r: Request, tree: DraftTree, accepted, phase: dict[str, float], split: dict[str, float], treeless: bool
+) -> Chunk:
+    """The round's new tokens of `r` (cut at EOS and the limit), its statistics updated (`treeless`: no sequence
+    drafted in the round)."""
     new = [tree.tokens[i] for i in accepted.path] + [accepted.next_token]
     new = new[: r.max_new_tokens - r.stats.new_tokens]
     stop = next((i for i, tok in enumerate(new) if tok in r.eos_ids), None)
@@ -501,6 +514,8 @@ def _emit(r: Request, tree: DraftTree, accepted, phase: dict[str, float], split:
     stats.new_tokens += len(new)
     for name, seconds in split.items():
         stats.phase_s[name] += seconds
+        if treeless:
+            stats.treeless_phase_s[name] = stats.treeless_phase_s.get(name, 0.0) + seconds
     stats.draft_s += phase["propose"] + phase["observe"]  # proposing, and updating the drafter's state
     stats.verify_s += phase["verify"] + phase["accept"] + phase["commit"]
     if len(stats.accepted_per_depth) < drafted:

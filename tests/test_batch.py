@@ -189,6 +189,15 @@ def test_stats_of_a_sequence_in_a_batch():
     for r in requests:
         assert r.stats.new_tokens == 6 and r.stats.target_passes == 6 and r.stats.plain_passes == 6
         assert r.stats.elapsed_s > 0 and set(r.stats.phase_s) >= {"propose", "layers", "accept", "commit"}
+        assert r.stats.treeless_phase_s == r.stats.phase_s  # nobody drafted: every round is treeless
+
+    # beside a sequence that drafts in some rounds: a round where it drafted is not treeless for its neighbour
+    batch = Batch(Target(model, fast=False, slots=2))
+    plain = Request(PROMPTS[0], max_new_tokens=12, stats=GenerationStats())
+    drafts = Request([5, 6, 7] * 3 + [5], max_new_tokens=12, drafter=LookupDrafter(), stats=GenerationStats())
+    _run(batch, [plain, drafts], {0: [plain, drafts]}, None)
+    assert drafts.stats.spec_steps > 0
+    assert plain.stats.treeless_phase_s.get("layers", 0.0) < plain.stats.phase_s["layers"]
 
 
 def test_join_gap_measures_the_rounds_around_a_join():

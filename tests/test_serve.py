@@ -511,6 +511,10 @@ def test_each_answer_carries_its_acceptance_as_vllm_writes_it(tiny_model_dir):
             spec["num_accepted_draft_tokens"] / spec["num_draft_tokens"]
         )
         assert live.metric("headstart:spec_decode_num_drafts_total") == steps
+        treeless, rounds = (
+            live.metric(f"headstart_{kind}round_phase_seconds_total", phase="layers") for kind in ("treeless_", "")
+        )
+        assert 0 <= treeless < rounds  # the phases of rounds where nobody drafted, within all rounds'
         assert live.metric("headstart:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
         assert live.metric("headstart:spec_decode_num_accepted_tokens_total") == spec["num_accepted_draft_tokens"]
         depths = spec["accepted_per_depth"]

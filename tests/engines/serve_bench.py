@@ -25,7 +25,8 @@ second table gives each headstart server against plain per repeat (`paired`; `--
 a finished run). `--unseen`:
 every level and repeat sends prompts no earlier one sent (the prefix cache finds none re-sent; the servers at a
 level and repeat get the same ones). "drafting": the share of a headstart server's round time (its phases, as
-/metrics counts them) spent planning and drafting the trees and updating the drafters after the forward.
+/metrics counts them) spent planning and drafting the trees and updating the drafters after the forward;
+"treeless rounds": the share of that time in rounds where no sequence drafted, and the drafting share within them.
 """
 
 from __future__ import annotations
@@ -277,8 +278,8 @@ def report(rows: list[dict]) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| server | clients | tok/s | steady tok/s | p50 tok/s per request | p50 TTFT s | p95 TTFT s "
-        "| speculated | nodes | drafting | prompt cached |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speculated | nodes | drafting | treeless rounds: time, drafting | prompt cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         spec = r.get("speculated_share", 0.0)  # a headstart server's sequence-rounds with a tree, and their nodes
@@ -289,6 +290,11 @@ def table(rows: list[dict]) -> str:
             f"{r['p50_request_tokens_per_s']:.1f} | {r['p50_ttft_s']:.2f} | {r['p95_ttft_s']:.2f} | "
             + (f"{spec:.0%} | {r['nodes_per_speculating']:.1f} |" if spec else "– | – |")
             + (f" {r['drafting_share']:.1%} |" if r.get("drafting_share") else " – |")
+            + (
+                f" {r['treeless_share']:.0%}, {r['treeless_drafting_share']:.1%} |"
+                if r.get("treeless_share")
+                else " – |"
+            )
             + f" {r.get('prefix_cache_hit_share', 0.0):.0%} |"
         )
     return "\n".join(lines)

@@ -102,6 +102,11 @@ COUNTERS = {  # /metrics samples summed over their labels: a headstart server's 
         'headstart_round_phase_seconds_total{phase="observe"}',
     ),
     "round_s": ("headstart_round_phase_seconds_total",),
+    "treeless_drafting_s": (  # the same in the rounds where no sequence drafted a tree
+        'headstart_treeless_round_phase_seconds_total{phase="propose"}',
+        'headstart_treeless_round_phase_seconds_total{phase="observe"}',
+    ),
+    "treeless_round_s": ("headstart_treeless_round_phase_seconds_total",),
 }
 
 
@@ -141,7 +146,9 @@ def run_level(
         per_client = list(pool.map(client_job, range(clients)))
     wall = time.perf_counter() - t0
     after = server_counts(url)
-    spec, plain, nodes, queries, hits, drafting, rounds = (after[k] - before[k] for k in COUNTERS)
+    spec, plain, nodes, queries, hits, drafting, rounds, treeless, treeless_rounds = (
+        after[k] - before[k] for k in COUNTERS
+    )
     results = [r for rs in per_client for r in rs]
     ok = [r for r in results if r["status"] == 200]
     lat, ttft = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]
@@ -164,6 +171,8 @@ def run_level(
         "nodes_per_speculating": nodes / spec if spec else 0.0,
         "prefix_cache_hit_share": hits / queries if queries else 0.0,
         "drafting_share": drafting / rounds if rounds else 0.0,
+        "treeless_share": treeless_rounds / rounds if rounds else 0.0,
+        "treeless_drafting_share": treeless / treeless_rounds if treeless_rounds else 0.0,
     }
 
 
@@ -184,6 +193,8 @@ COLUMNS = [
     ("nodes_per_speculating", "nodes", "{:.1f}"),
     ("prefix_cache_hit_share", "prompt cached", "{:.0%}"),
     ("drafting_share", "drafting", "{:.1%}"),
+    ("treeless_share", "treeless rounds", "{:.0%}"),
+    ("treeless_drafting_share", "their drafting", "{:.1%}"),
 ]
 
 

@@ -123,6 +123,12 @@ class ServerMetrics:
             ["phase"],
             registry=r,
         )
+        self.treeless_phases = Counter(
+            "headstart_treeless_round_phase_seconds",
+            "of those, the rounds in which no sequence drafted a tree (counted once for each request in them)",
+            ["phase"],
+            registry=r,
+        )
 
     def record_generation(self, stats: GenerationStats) -> None:
         """One finished (or cancelled) generation's statistics."""
@@ -138,6 +144,8 @@ class ServerMetrics:
         self.rounds.labels(mode="plain").inc(stats.plain_passes)
         for phase, seconds in stats.phase_s.items():
             self.phases.labels(phase=phase).inc(seconds)
+        for phase, seconds in stats.treeless_phase_s.items():
+            self.treeless_phases.labels(phase=phase).inc(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
