@@ -294,7 +294,7 @@ class Trainer:
         clock = CpuClock(spent)
         quick = self.eval_rows[: cfg.eval_quick_rows]
         every = cfg.eval_every_cpu_s if quick else 0.0
-        next_quick = (spent // every + 1) * every if every else math.inf  # the next CPU-seconds mark to score at
+        next_quick = (spent * acc.num_processes // every + 1) * every if every else math.inf  # the next mark
         world, rank = acc.num_processes, acc.process_index
         accum = cfg.optim.grad_accum
         tokens, t0 = 0, time.perf_counter()
