@@ -475,17 +475,18 @@ def test_a_sequence_that_always_speculates_keeps_plain_measured():
 
 def test_a_batch_that_plans_no_tree_is_planned_less_often():
     """Where the plans at about the batch size promised less beyond plain than their own time cost (after
-    MEASURED_LEAST of them), after plans that give no tree the planner asks again 1, 2, 4, then every 8 rounds (the
-    rounds between planned plain, no sequence asked); a plan that gives a tree, or a batch of another size, plans
-    every round again."""
+    MEASURED_LEAST of them), the planner asks again 1, 2, 4, then every 8 rounds (the rounds between planned plain, no
+    sequence asked), whether or not a plan gave a tree; where they pay, or at a batch of another size, every round.
+    A plan's tree reset the rests before: at 16 sequences (float32, in-process) 6 of 16 plans at 10 sequences gave a
+    tree and each asked the next round again, where all the plans there promised 0.2 tokens for 18 of their time."""
     ticks = itertools.count()
     planner, asked = Planner(BatchCost.linear(10.0, 0.0, 0.0), clock=lambda: next(ticks) * 1e-3), []  # 1 ms a plan
 
-    def rounds(k: int, b: int = 4, offering: bool = False) -> list[int]:
-        """The rounds of the next `k` at which the drafters were asked (0 first)."""
+    def rounds(k: int, b: int = 4, gain: float = 0.0) -> list[int]:
+        """The rounds of the next `k` at which the drafters were asked (0 first), each offering a node of `gain`."""
         drafters = [Asked(asked) for _ in range(b)]
         for d in drafters:
-            d.offered = [Offer(1, 0.5, 0.0, heads=1)] if offering else [Offer(1, 0.0, 0.0, heads=1)]
+            d.offered = [Offer(1, gain, 0.0, heads=1)]
         at = []
         for r in range(k):
             del asked[:]
@@ -496,7 +497,9 @@ def test_a_batch_that_plans_no_tree_is_planned_less_often():
     assert rounds(40) == [*range(9), 10, 14, 22, 30, 38]  # 8 plans (0.4 tokens each, none promised) before resting
     assert rounds(4, b=3) == []  # 3 is within 3/4 to 3/2 of 4: still resting
     assert rounds(3, b=2) == [0, 1, 2]  # 2 is not: asked at once, and every round until 8 plans are seen there
-    assert rounds(4, offering=True) == [0, 1, 2, 3]  # 4 is not 2's: asked, trees given, asked every round
+    # 4 is not 2's: asked at once; each plan gives 4 trees, 0.2 tokens beyond plain for its 0.4: rests all the same
+    assert rounds(16, gain=0.05) == [0, 1, 3, 7, 15]
+    assert rounds(12, gain=5.0) == [7, 8, 9, 10, 11]  # the rest runs out; trees worth 20 a plan pay: every round
 
 
 def test_a_plan_that_pays_for_itself_is_made_every_round():

@@ -8,7 +8,8 @@
 `budget` with the default drafter, then `off` (plain), alternating per repeat, each repeat on prompts of its own
 (serve_bench.write_unseen's, from `--skip`), training paused. Prints each run's tok/s, rounds, the share of
 sequence-rounds with a tree, and the drafting share of the rounds' phases (propose + observe over all, as /metrics
-counts them): what the server's round costs apart from HTTP and the event loop.
+counts them), and of the treeless rounds' (no sequence drafted): what the server's round costs apart from HTTP and
+the event loop.
 """
 
 from __future__ import annotations
@@ -68,13 +69,22 @@ def run(engine: Engine, policy: str, texts: list[str], clients: int, max_tokens:
                     submit()
     seconds = time.perf_counter() - t0
     phases = {k: sum(s.phase_s.get(k, 0.0) for s in done) for k in done[0].phase_s}
+    treeless = {k: sum(s.treeless_phase_s.get(k, 0.0) for s in done) for k in done[0].phase_s}
     spec = sum(s.spec_steps for s in done)
     return {
         "tokens_per_s": made / seconds,
         "rounds": rounds,
         "speculated": spec / max(sum(s.target_passes for s in done), 1),
-        "drafting_share": (phases["propose"] + phases["observe"]) / sum(phases.values()),
+        "drafting_share": drafting_share(phases),
+        "treeless_share": sum(treeless.values()) / sum(phases.values()),
+        "treeless_drafting_share": drafting_share(treeless),
     }
+
+
+def drafting_share(phases: dict[str, float]) -> float:
+    """Planning, drafting and the drafters' update (propose + observe) over the phases' seconds (0 if none)."""
+    total = sum(phases.values())
+    return (phases["propose"] + phases["observe"]) / total if total else 0.0
 
 
 def main() -> int:
@@ -102,7 +112,8 @@ def main() -> int:
                 ratio[policy] = got["tokens_per_s"]
                 print(
                     f"repeat {r} {policy:6s} {got['tokens_per_s']:6.1f} tok/s, {got['rounds']} rounds, "
-                    f"speculated {got['speculated']:.0%}, drafting {got['drafting_share']:.1%}",
+                    f"speculated {got['speculated']:.0%}, drafting {got['drafting_share']:.1%}; treeless rounds "
+                    f"{got['treeless_share']:.0%} of the time, their drafting {got['treeless_drafting_share']:.1%}",
                     flush=True,
                 )
             print(f"repeat {r}: default drafter {ratio['budget'] / ratio['off']:.2f}x plain", flush=True)
