@@ -293,6 +293,34 @@ def test_training_by_cpu_seconds_scores_on_the_way_and_stops_at_its_budget(tmp_p
     assert json.loads((out / "heads" / "config.json").read_text())["steps"] == 5
 
 
+def test_the_recipe_ab_trains_both_for_the_same_cpu_seconds_and_draws_them(tmp_path, tiny_model_dir):
+    """`python -m headstart.train.ab`: two recipes of one config, each to the CPU budget, scored on the way and at
+    the end, each with its own overrides, and one figure of both against CPU-seconds."""
+    import sys
+
+    from headstart.train import ab
+
+    write_shards(tmp_path / "data")
+    config = tmp_path / "ab.yaml"
+    config.write_text(
+        f"target: {{model: {tiny_model_dir}}}\nheads: {{kind: eagle, num_heads: 2}}\n"
+        f"data: {{path: {tmp_path / 'data'}, eval_rows: 8, batch_tokens: 128}}\n"
+        "optim: {max_steps: 100000, warmup_steps: 2}\nlog_every: 1\neval_every: 100000\nsave_every: 100000\n"
+        "eval_quick_rows: 4\nreport_to: none\n"
+    )
+    out = tmp_path / "ab"
+    argv = ["--config", str(config), "--cpu-s", "2", "--every", "0.5", "--b", "optim.lr=0.03 heads.unroll=2"]
+    assert ab.main([*argv, "--out", str(out), "--launch", sys.executable, "seed=3"]) == 0
+    for name in ab.RECIPES:
+        records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+        assert records[-1]["cpu_s"] >= 2 > records[-2]["cpu_s"] and "acceptance_length" in records[-1]
+        assert any("quick/acceptance_length" in r for r in records[:-1])
+        used = json.loads((out / name / "config.json").read_text())
+        assert used["seed"] == 3 and used["optim"]["lr"] == (0.03 if name == "b" else 1e-3)
+    assert (out / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ab.main([*argv, "--out", str(out), "--cpu-s", "0"]) == 2
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa2"])
 def test_a_checkpoint_written_before_the_recipe_split_resumes_after_it(tmp_path, tiny_model_dir, kind):
     """tests/data/presplit/KIND: step 3 of the kill-and-resume run above, written by train/heads.py as it was
