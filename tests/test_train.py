@@ -319,6 +319,7 @@ def test_the_recipe_ab_trains_both_for_the_same_cpu_seconds_and_draws_them(tmp_p
         assert used["seed"] == 3 and used["optim"]["lr"] == (0.03 if name == "b" else 1e-3)
     assert (out / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ab.main([*argv, "--out", str(out), "--cpu-s", "0"]) == 2
+    assert ab.main([*argv, "--out", str(out), "--launch", "no-such-launcher"]) == 2  # a clear line, no traceback
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa2"])

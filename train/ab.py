@@ -8,11 +8,11 @@ Each recipe is the config with the shared overrides (the positional ones), then 
 overrides separated by spaces), and `max_cpu_s`, `eval_every_cpu_s` (the first `eval_quick_rows` held-out rows
 scored every `--every` CPU-seconds, all of them at the end) and `output_dir` (OUT/a, OUT/b) set. The runs go one
 after the other, registered background jobs paused (`runtime/background.py`), each launched as train/heads.py says
-(`--launch`, default `accelerate launch --num_cpu_threads_per_process 2`); a run stopped part way resumes from its
-last checkpoint when the command is run again. `cpu_s` counts the training process's CPU-seconds (every thread,
-evaluation excluded: train/trainer.py `CpuClock`), so the recipes are compared by what they cost, not by their
-steps. Prints each recipe's steps and held-out acceptance at the end, and draws OUT/ab.png (`headstart report
-OUT/a OUT/b --x cpu_s`).
+(`--launch`; default `accelerate launch --num_cpu_threads_per_process 2`, the `accelerate` beside this Python); a
+run stopped part way resumes from its last checkpoint when the command is run again. `cpu_s` counts the training
+process's CPU-seconds (every thread, evaluation excluded: train/trainer.py `CpuClock`), so the recipes are compared
+by what they cost, not by their steps. Prints each recipe's steps and held-out acceptance at the end, and draws
+OUT/ab.png (`headstart report OUT/a OUT/b --x cpu_s`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ from headstart.train import heads as entry
 from headstart.train.report import draw_report, read_metrics
 
 RECIPES = ("a", "b")
+
+
+def default_launch() -> str:
+    """Accelerate's launcher beside this Python (a virtual environment need not be activated), else on the PATH."""
+    beside = Path(sys.executable).parent / "accelerate"
+    return f"{shlex.quote(str(beside)) if beside.is_file() else 'accelerate'} launch --num_cpu_threads_per_process 2"
 
 
 def launch_command(launch: str, config: str, overrides: list[str]) -> list[str]:
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", default="", help="recipe b's own dotted overrides")
     p.add_argument("--every", type=float, default=300.0, help="CPU-seconds between scores of the first held-out rows")
     p.add_argument("--out", required=True, help="a folder: OUT/a, OUT/b and OUT/ab.png")
-    p.add_argument("--launch", default="accelerate launch --num_cpu_threads_per_process 2")
+    p.add_argument("--launch", default=None, help="the launcher (default: accelerate launch, 2 threads a process)")
     p.add_argument("overrides", nargs="*", help="dotted overrides both recipes take")
     args = p.parse_intermixed_args(argv)
     if args.cpu_s <= 0 or args.every <= 0:
@@ -72,9 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     with paused():
         for name in RECIPES:
             overrides = recipe_overrides(args.overrides, own[name], args.cpu_s, args.every, out / name)
-            command = launch_command(args.launch, args.config, overrides)
+            command = launch_command(args.launch or default_launch(), args.config, overrides)
             print(f"headstart: recipe {name}: {shlex.join(command)}", file=sys.stderr, flush=True)
-            if subprocess.run(command).returncode != 0:
+            try:
+                failed = subprocess.run(command).returncode != 0
+            except FileNotFoundError:
+                print(f"headstart: error: no launcher '{command[0]}' (pass --launch)", file=sys.stderr)
+                return 2
+            if failed:
                 print(f"headstart: error: recipe {name}'s training failed (its output above)", file=sys.stderr)
                 return 1
     results = {name: {"overrides": own[name], **summary(out / name)} for name in RECIPES}
