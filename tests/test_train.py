@@ -122,6 +122,9 @@ def test_config_errors(tmp_path):
     assert load_config(tmp_path / "mp.yaml").mixed_precision == "no"
     assert load_config(None, ["mixed_precision=no"]).mixed_precision == "no"
     assert load_config(None, ["mixed_precision=bf16", "report_to=none"]).mixed_precision == "bf16"
+    # `key=` empties a string (it was refused: "'heads.init_from' must be str, got None")
+    cfg = load_config(ROOT / "configs" / "smollm2-135m-eagle3-continue.yaml", ["heads.init_from=", "data.features="])
+    assert cfg.heads.init_from == "" and cfg.data.features == ""
 
 
 def test_cli_errors(tmp_path, capsys, tiny_model_dir):

@@ -217,7 +217,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override '{item}' is not key=value")
         key, raw = item.split("=", 1)
         try:
-            value = _parse_yaml(raw)
+            value = _parse_yaml(raw) if raw.strip() else ""  # `key=`: the empty string (YAML would read null)
         except ValueError as e:
             raise ConfigError(f"override '{item}': not valid YAML ({e})") from e
         _set_dotted(values, key.strip(), value)
