@@ -376,6 +376,7 @@ class Batch:
         r.stats.prefill_s = time.perf_counter() - r.t_start
         for name in PHASES:
             r.stats.phase_s.setdefault(name, 0.0)
+            r.stats.treeless_phase_s.setdefault(name, 0.0)
         self.decoding.append(r)
 
     def _start_prefix(self, r: Request) -> None:
@@ -515,7 +516,7 @@ def _emit(
     for name, seconds in split.items():
         stats.phase_s[name] += seconds
         if treeless:
-            stats.treeless_phase_s[name] = stats.treeless_phase_s.get(name, 0.0) + seconds
+            stats.treeless_phase_s[name] += seconds
     stats.draft_s += phase["propose"] + phase["observe"]  # proposing, and updating the drafter's state
     stats.verify_s += phase["verify"] + phase["accept"] + phase["commit"]
     if len(stats.accepted_per_depth) < drafted:

@@ -69,7 +69,7 @@ def run(engine: Engine, policy: str, texts: list[str], clients: int, max_tokens:
                     submit()
     seconds = time.perf_counter() - t0
     phases = {k: sum(s.phase_s.get(k, 0.0) for s in done) for k in done[0].phase_s}
-    treeless = {k: sum(s.treeless_phase_s.get(k, 0.0) for s in done) for k in done[0].phase_s}
+    treeless = {k: sum(s.treeless_phase_s.get(k, 0.0) for s in done) for k in done[0].treeless_phase_s}
     spec = sum(s.spec_steps for s in done)
     return {
         "tokens_per_s": made / seconds,
