@@ -296,6 +296,25 @@ def test_training_by_cpu_seconds_scores_on_the_way_and_stops_at_its_budget(tmp_p
     assert json.loads((out / "heads" / "config.json").read_text())["steps"] == 5
 
 
+def test_step_time_times_each_part_of_a_step_and_fills_a_cache(tmp_path, tiny_model_dir, capsys):
+    """`python -m headstart.train.step_time`: each step's parts and their medians; with a feature cache, a second run
+    reads back the batches the first computed (its features part then does not run the target)."""
+    from headstart.train import step_time
+
+    write_shards(tmp_path / "data")
+    base = ["--config", str(tmp_path / "c.yaml"), "--steps", "3"]
+    (tmp_path / "c.yaml").write_text(
+        f"target: {{model: {tiny_model_dir}}}\nheads: {{kind: eagle3, unroll: 2}}\n"
+        f"data: {{path: {tmp_path / 'data'}, eval_rows: 8, batch_tokens: 128, features: {tmp_path / 'f'}}}\n"
+    )
+    assert step_time.main(base) == 0
+    first = capsys.readouterr().out
+    assert sum(line.startswith("step ") for line in first.splitlines()) == 3
+    assert "medians: features" in first and "% of the tokens scored" in first
+    assert list((tmp_path / "f").glob("features-*.safetensors"))  # what the first run computed, kept
+    assert step_time.main(base) == 0 and step_time.main([*base[:2], "--steps", "2"]) == 2
+
+
 def test_the_recipe_ab_trains_both_for_the_same_cpu_seconds_and_draws_them(tmp_path, tiny_model_dir):
     """`python -m headstart.train.ab`: two recipes of one config, each to the CPU budget, scored on the way and at
     the end, each with its own overrides, and one figure of both against CPU-seconds."""

@@ -7,7 +7,7 @@ and every further epoch costs only the heads.
 
 A training run fills it as it goes (`holds`, `keep`): a batch whose rows are all cached reads them, any other runs
 the target, as without a cache, and keeps what it computed, so the first pass over the rows costs what training
-without a cache costs and every later pass skips the target (an EAGLE-3 step here: 1.55 -> 0.62 s). `build`
+without a cache costs and every later pass skips the target (an EAGLE-3 step here: 1.46 -> 0.67 s). `build`
 computes every missing row first, for a launch whose processes must run the target together (a sharded target).
 
 The cache is keyed by row id, so adding rows or sources computes only the new rows. New rows are saved in
