@@ -46,7 +46,13 @@ def medusa_loss(heads: nn.Module, hidden, lm_head, input_ids, loss_mask, num_hea
     return total
 
 
-def eagle_unroll(head: nn.Module, features: torch.Tensor, next_embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def eagle_unroll(
+    head: nn.Module,
+    features: torch.Tensor,
+    next_embeds: torch.Tensor,
+    steps: int,
+    scored: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
     """The head run `steps` times on its own outputs, as drafting does (EAGLE-3's "training-time test").
 
     Step 1 is causal over true features: out_1[s] ~ feature(s+1) from feature(s) and token s+1.
@@ -55,6 +61,10 @@ def eagle_unroll(head: nn.Module, features: torch.Tensor, next_embeds: torch.Ten
     after the root s - k + 1 with the true tokens in between (the chain where every earlier draft
     was right). An EAGLE-3 head's step 1 reads the target's three layers (B, T, 3H) through its fc; its
     later steps read its own outputs y, as drafting does.
+    `scored` (B, T) bool: the positions a loss reads at every step. Step 1 runs everywhere (its entries are
+    every later row's context); step k >= 2 runs only at the rows a scored row's chain passes through
+    (`unrolled_rows`), packed, and is zero elsewhere: the same values where scored, a fraction of the work
+    where most of a batch is prompt. None: every position.
     Returns [out_1, ..., out_steps], each (B, T, H).
     """
     from transformers import DynamicCache
@@ -62,13 +72,45 @@ def eagle_unroll(head: nn.Module, features: torch.Tensor, next_embeds: torch.Ten
     B, T, _ = features.shape
     positions = torch.arange(T, device=features.device)[None].expand(B, T)
     cache = DynamicCache()
-    outs: list[torch.Tensor] = []
-    inputs = features
-    for step in range(1, steps + 1):
-        mask = None if step == 1 else additive_mask(unroll_mask(T, step), features.dtype, features.device)
-        outs.append(head(inputs, next_embeds, positions, mask, cache=cache))
-        inputs = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # out_k[s-1] feeds step k+1 at s
+    outs = [head(features, next_embeds, positions, None, cache=cache)]
+    if scored is None:
+        for step in range(2, steps + 1):
+            mask = additive_mask(unroll_mask(T, step), features.dtype, features.device)
+            outs.append(head(F.pad(outs[-1][:, :-1], (0, 0, 1, 0)), next_embeds, positions, mask, cache=cache))
+        return outs
+    keys = [positions]  # (B, n_m): the position of each entry step m wrote, PAST for padding
+    rows, out = positions.contiguous(), outs[0]
+    for step in range(2, steps + 1):
+        below = rows
+        rows = unrolled_rows(scored, step, steps)  # (B, n) ascending, PAST padding
+        at = torch.searchsorted(below, rows - 1).clamp(max=below.shape[1] - 1)  # out_{k-1}[s-1]'s entry
+        found = (below.gather(1, at) == rows - 1)[..., None]
+        inputs = torch.where(found, out.gather(1, at[..., None].expand(-1, -1, out.shape[-1])), 0)
+        real = rows.clamp(max=T - 1)
+        allowed = [positions[:, None, :] <= rows[..., None] - step + 1]  # step 1's entries up to the root
+        allowed += [keys[m - 1][:, None, :] == rows[..., None] - step + m for m in range(2, step)]
+        allowed.append(rows[..., None] == rows[:, None, :])  # its own entry (padding rows: each other's)
+        mask = additive_mask(torch.cat(allowed, dim=-1), features.dtype, features.device)
+        embeds = next_embeds.gather(1, real[..., None].expand(-1, -1, next_embeds.shape[-1]))
+        out = head(inputs, embeds, real, mask, cache=cache)  # (B, n, H)
+        keys.append(rows)
+        dense = out.new_zeros(B, T + 1, out.shape[-1])  # column T takes the padding rows
+        outs.append(dense.scatter(1, rows.clamp(max=T)[..., None].expand_as(out), out)[:, :T])
     return outs
+
+
+def unrolled_rows(scored: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+    """(B, n) the positions step `step` of `steps` runs at, ascending, padded with PAST (T * 2): s where some scored
+    row of a step k >= step passes, s + d scored for d in 0..steps - step. Each such s has s - 1 among step
+    `step - 1`'s rows, so a chain never leaves the packed rows."""
+    T = scored.shape[1]
+    hit = scored.clone()
+    for d in range(1, steps - step + 1):
+        hit[:, :-d] |= scored[:, d:]
+    n = max(int(hit.sum(1).max()), 1)
+    past = torch.full_like(scored, 2 * T, dtype=torch.long)
+    at = torch.where(hit, torch.arange(T, device=scored.device)[None], past)
+    return at.sort(1).values[:, :n]
 
 
 def eagle_loss(
@@ -87,9 +129,8 @@ def eagle_loss(
     features = hidden[:, :-1]
     if noise:
         features = features + (torch.rand_like(features) - 0.5) * noise  # uniform U(-noise/2, noise/2)
-    next_embeds = embed(input_ids[:, 1:])
-    preds = eagle_unroll(head, features, next_embeds, unroll)  # unroll x (B, T-1, H) ~ hidden[:, 1:]
     valid = loss_mask[:, 1:]
+    preds = eagle_unroll(head, features, embed(input_ids[:, 1:]), unroll, valid)  # unroll x (B, T-1, H) ~ hidden[:, 1:]
     if not valid.any():
         zero = sum(pred.sum() for pred in preds) * 0
         return zero, {"feature_loss": zero, "ce_loss": zero}
@@ -131,10 +172,10 @@ def eagle3_loss(
     vocabulary (p of a token the head cannot propose teaches it nothing). Step k at s needs a root at s - k.
     """
     fused, final = hidden[:, :-1, :fused_width], hidden[:, 1:, fused_width:]  # out_k[s]: token s + 2, p from s + 1
-    outs = eagle_unroll(head, fused, embed(input_ids[:, 1:]), unroll)
     valid = loss_mask[:, 1:].clone()
     if to_draft is not None:
         valid &= to_draft(F.pad(input_ids[:, 2:], (0, 1))) >= 0  # the last position has no next token: padded
+    outs = eagle_unroll(head, fused, embed(input_ids[:, 1:]), unroll, valid)
     if not valid.any():
         return sum(out.sum() for out in outs) * 0
     with torch.no_grad():

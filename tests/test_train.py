@@ -94,6 +94,80 @@ def test_unroll_matches_drafting_step_by_step(kind):
                 torch.testing.assert_close(outs[k - 1][:, r + k - 1], out[:, 0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_later_unroll_steps_run_only_where_a_scored_chain_passes(kind, monkeypatch):
+    """With `scored`, steps 2..3 run packed on the rows a scored row's chain passes through and give the dense
+    unroll's values there; the losses and every gradient equal the dense unroll's. Drawn (one row, T = 10, three
+    steps; x: scored, o: run only for a later step's chain):
+
+        position   0 1 2 3 4 5 6 7 8 9
+        scored     . . . . . x x . . x
+        step 2     . . . . o x x . o x
+        step 3     . . . . . x x . . x
+    """
+    from headstart.heads import losses
+    from headstart.heads.checkpoint import build_heads
+    from helpers.models import tiny_llama
+
+    scored = torch.tensor([[c == "x" for c in ". . . . . x x . . x".split()]])
+    assert losses.unrolled_rows(scored, 2, 3).tolist() == [[4, 5, 6, 8, 9]]
+    assert losses.unrolled_rows(scored, 3, 3).tolist() == [[5, 6, 9]]
+
+    model = tiny_llama(vocab_size=64, layers=8)
+    torch.manual_seed(0)
+    head = build_heads(kind, model)
+    for p in head.parameters():
+        p.data.normal_(0, 0.1)
+    B, T, H = 3, 12, model.config.hidden_size
+    width = H * len(head.feature_layers) if kind == "eagle3" else H
+    features, embeds = torch.randn(B, T, width), torch.randn(B, T, H)
+    scored = torch.rand(B, T) < 0.3
+    scored[2] = False  # a row with nothing scored: only padding at the later steps
+    rows = []
+    forward = type(head).forward
+
+    def counted(self, h, *args, **kwargs):
+        rows.append(h.shape[1])
+        return forward(self, h, *args, **kwargs)
+
+    monkeypatch.setattr(type(head), "forward", counted)
+    with torch.no_grad():
+        dense = losses.eagle_unroll(head, features, embeds, 3)
+        rows.clear()
+        packed = losses.eagle_unroll(head, features, embeds, 3, scored)
+    assert rows[0] == T and max(rows[1:]) < T  # later steps run on fewer rows than the batch has
+    for k, (d, p) in enumerate(zip(dense, packed, strict=True)):
+        at = scored.clone()
+        at[:, :k] = False  # step k + 1 is read where it has a root
+        torch.testing.assert_close(p[at], d[at], rtol=1e-5, atol=1e-6)
+
+    monkeypatch.setattr(type(head), "forward", forward)
+    ids = torch.randint(0, 64, (B, T + 1))
+    mask = torch.zeros(B, T + 1, dtype=torch.bool)
+    mask[:, 4:] = True
+    mask[1, 9:] = False  # padding
+    embed, readout = model.get_input_embeddings(), model.get_output_embeddings()
+    hidden = torch.randn(B, T + 1, width + H) if kind == "eagle3" else torch.randn(B, T + 1, H)
+
+    def loss_and_grads():
+        head.zero_grad()
+        if kind == "eagle3":
+            loss = losses.eagle3_loss(head, hidden, embed, head.logits, readout, ids, mask, 3, fused_width=width)
+        else:
+            loss, _ = losses.eagle_loss(head, hidden, embed, readout, ids, mask, unroll=3)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    loss, grads = loss_and_grads()
+    unroll = losses.eagle_unroll
+    monkeypatch.setattr(losses, "eagle_unroll", lambda h, f, e, steps, scored=None: unroll(h, f, e, steps))
+    dense_loss, dense_grads = loss_and_grads()
+    torch.testing.assert_close(loss, dense_loss, rtol=1e-5, atol=1e-6)
+    assert len(grads) == len(dense_grads)
+    for g, d in zip(grads, dense_grads, strict=True):
+        torch.testing.assert_close(g, d, rtol=1e-4, atol=1e-6)
+
+
 def test_batches_and_loss_mask():
     rows = [Row([1, 2, 3, 4, 5], 2), Row([6, 7, 8], 1), Row(list(range(10, 30)), 5)]
     batches = make_batches(rows, batch_tokens=10, seed=0)
