@@ -78,11 +78,11 @@ def eagle_unroll(
             mask = additive_mask(unroll_mask(T, step), features.dtype, features.device)
             outs.append(head(F.pad(outs[-1][:, :-1], (0, 0, 1, 0)), next_embeds, positions, mask, cache=cache))
         return outs
-    keys = [positions]  # (B, n_m): the position of each entry step m wrote, PAST for padding
+    keys = [positions]  # (B, n_m): the position of each entry step m wrote, 2T for padding
     rows, out = positions.contiguous(), outs[0]
     for step in range(2, steps + 1):
         below = rows
-        rows = unrolled_rows(scored, step, steps)  # (B, n) ascending, PAST padding
+        rows = unrolled_rows(scored, step, steps)  # (B, n) ascending, padded with 2T
         at = torch.searchsorted(below, rows - 1).clamp(max=below.shape[1] - 1)  # out_{k-1}[s-1]'s entry
         found = (below.gather(1, at) == rows - 1)[..., None]
         inputs = torch.where(found, out.gather(1, at[..., None].expand(-1, -1, out.shape[-1])), 0)
@@ -100,7 +100,7 @@ def eagle_unroll(
 
 
 def unrolled_rows(scored: torch.Tensor, step: int, steps: int) -> torch.Tensor:
-    """(B, n) the positions step `step` of `steps` runs at, ascending, padded with PAST (T * 2): s where some scored
+    """(B, n) the positions step `step` of `steps` runs at, ascending, padded with 2T: s where some scored
     row of a step k >= step passes, s + d scored for d in 0..steps - step. Each such s has s - 1 among step
     `step - 1`'s rows, so a chain never leaves the packed rows."""
     T = scored.shape[1]

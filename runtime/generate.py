@@ -32,8 +32,9 @@ from headstart.runtime.tree import DraftTree
 if TYPE_CHECKING:
     from headstart.runtime.sizing.planner import Planner
 
-# a round, in order (`stream`); layers + lm_head = the target forward (lm_head measured under `Target.timing_lm_head`)
-PHASES = ("propose", "mask", "layers", "lm_head", "accept", "commit", "observe")
+# a round, in order (`stream`); stage: the joiners' prompt chunks that ride in its forward picked (batching, not
+# drafting); layers + lm_head = the target forward (lm_head measured under `Target.timing_lm_head`)
+PHASES = ("stage", "propose", "mask", "layers", "lm_head", "accept", "commit", "observe")
 
 
 @dataclass
@@ -231,6 +232,7 @@ class Batch:
             return []
         target, phases = self.target, Phases()
         staged = self._stage() if self.mix else []
+        phases.lap("stage")
         drafters, contexts = [r.drafter for r in live], [r.context for r in live]
         sizes = None  # each drafter its own tree
         if self.planner is not None:
@@ -450,9 +452,15 @@ PREFILL_TOKENS = 8192  # padded tokens a batched prefill forward feeds at most
 
 def _similar(joiners: list[Request]) -> Iterator[list[Request]]:
     """Consecutive joiners (in slot order) in groups one prefill forward takes: similar lengths (padding to the
-    longest costs little), at most PREFILL_TOKENS padded tokens."""
+    longest costs little), at most PREFILL_TOKENS padded tokens. A joiner whose prompt is cached up to its root (the
+    shared prefix and one token) needs no forward: it ends a group (an empty chunk crashed the forward)."""
     group: list[Request] = []
     for r in joiners:
+        if r.cached == len(r.prompt_ids) - 1:
+            if group:
+                yield group
+            group = []
+            continue
         todo = [len(x.prompt_ids) - 1 - x.cached for x in [*group, r]]
         if group and (max(todo) * len(todo) > PREFILL_TOKENS or max(todo) > 1.25 * min(todo) + 8):
             yield group

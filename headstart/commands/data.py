@@ -1,4 +1,4 @@
-"""`headstart distill`, `drift` and `report`: training data, an adapter's drift, training curves."""
+"""`headstart distill`, `magpie`, `drift` and `report`: training data, an adapter's drift, training curves."""
 
 from __future__ import annotations
 
@@ -82,6 +82,21 @@ def add_parsers(sub) -> None:
     )
     ds.add_argument("--seed", type=common.seed_value, default=0)
     ds.set_defaults(run=cmd_distill)
+
+    mp = sub.add_parser("magpie", help="prompts the target writes itself (its user turn left open), filtered")
+    common.add_model_args(mp, "auto")
+    mp.add_argument("--out", required=True, help="JSONL prompt rows (appended; a second run resumes)")
+    mp.add_argument("--count", type=common.at_least_one, required=True, help="prompts --out holds at the end")
+    mp.add_argument("--batch-size", type=common.at_least_one, default=64, help="sequences decoded together")
+    mp.add_argument("--max-prompt-tokens", type=common.at_least_one, default=96, help="a longer turn is refused")
+    mp.add_argument("--temperature", type=float, default=1.0)
+    mp.add_argument("--seed", type=common.seed_value, default=0, help="the first sequence's (then +1 each)")
+    mp.add_argument(
+        "--prompts",
+        default="../shared/data/train/prompts.jsonl",
+        help="the training prompts the held-out id list names (their texts are kept away from)",
+    )
+    mp.set_defaults(run=cmd_magpie)
 
     dr = sub.add_parser("drift", help="how far a LoRA adapter (Medusa-2 heads' own) moves the model's answers")
     dr.add_argument("adapter", help="a peft LoRA adapter directory, or Medusa-2 heads (which hold theirs)")
@@ -193,6 +208,39 @@ def cmd_distill(args: argparse.Namespace, argv: list[str]) -> int:
         f"in {stats['seconds']:.0f} s, {stats['tokens_per_s']:.0f} tokens/s"
     )
     print(summary, file=sys.stderr)
+    return 0
+
+
+def cmd_magpie(args: argparse.Namespace, argv: list[str]) -> int:
+    from headstart.runtime.models import load_model
+    from headstart.train.magpie import MagpieError, magpie, protected_texts
+
+    if args.temperature <= 0:
+        raise common.UserError(f"--temperature must be > 0 (every turn alike otherwise), got {args.temperature}")
+    if Path(args.out).is_dir():
+        raise common.UserError(f"--out {args.out} is a folder: give a JSONL file")
+    protected = protected_texts([f for f in HELD_OUT if Path(f).is_file()], args.prompts)
+    model, tokenizer = load_model(args.model, args.dtype, args.device)
+    background.register(f"magpie -> {args.out}")  # benchmarks stop it while they measure
+    try:
+        stats = magpie(
+            model,
+            tokenizer,
+            args.out,
+            args.count,
+            protected,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            max_prompt_tokens=args.max_prompt_tokens,
+            temperature=args.temperature,
+        )
+    except MagpieError as e:
+        raise common.UserError(str(e)) from None
+    refused = ", ".join(f"{n} {why}" for why, n in sorted(stats["refused"].items(), key=lambda kv: -kv[1]))
+    print(
+        f"{stats['prompts']} prompts in {args.out}; this run sampled {stats['sampled']}, refused {refused or 'none'}",
+        file=sys.stderr,
+    )
     return 0
 
 
