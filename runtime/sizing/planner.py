@@ -440,19 +440,19 @@ class Planner:
         in the others for 3, as losing, where they made 1.1x plain). False until MEASURED_LEAST of each kind, and
         where plain's rate beats theirs by no more than LOSE_Z standard errors of the difference (each rate's as a
         ratio of sums over its rounds): at a batch of one, whose plain rounds are the few `plain_unmeasured` keeps,
-        a noisy stretch read as a loss locked trees out for the whole record (MEASURED_ROUNDS rounds: a served level)
-        in half of the runs: 12-42 % of the rounds speculated where 81-95 % did in the others (bfloat16, in-process,
-        one client), 12-15 % against 83-97 % served."""
+        a noisy stretch read as a loss locked trees out until the record's tree rounds aged out (MEASURED_ROUNDS
+        rounds: a served level): in-process (bfloat16, one client) the runs where it fired speculated in 12-28 % of
+        their rounds, one where it did not in 95 %; served, 12-15 % in two runs against 83-97 % in two."""
         if min(len(kind) for kind in near) < self.MEASURED_LEAST:
             return False
         rates, variances = [], []
         for kind in near:
             most = self.STALLED * statistics.median(at_plain for _, at_plain in kind)
-            tokens, time = zip(*((t, min(at_plain, most)) for t, at_plain in kind), strict=True)
-            rate = sum(tokens) / sum(time)
+            tokens, spent = zip(*((t, min(at_plain, most)) for t, at_plain in kind), strict=True)
+            rate = sum(tokens) / sum(spent)
             rates.append(rate)
-            spread = sum((t - rate * w) ** 2 for t, w in zip(tokens, time, strict=True))  # the ratio's, per round
-            variances.append(spread / sum(time) ** 2 * len(kind) / (len(kind) - 1))
+            spread = sum((t - rate * w) ** 2 for t, w in zip(tokens, spent, strict=True))  # the ratio's, per round
+            variances.append(spread / sum(spent) ** 2 * len(kind) / (len(kind) - 1))
         return rates[0] - rates[1] > self.LOSE_Z * math.sqrt(sum(variances))
 
     def overhead_ms(self, n: int) -> float:
