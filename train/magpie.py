@@ -91,13 +91,17 @@ class PromptFilter:
         if reason is not None:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
             return reason
-        self.keep(text)
+        self._remember(tokens, own)
         return None
 
     def keep(self, text: str) -> None:
+        """Remember a prompt kept before (a resumed run's rows)."""
         tokens = words(text)
+        self._remember(tokens, runs(tokens))
+
+    def _remember(self, tokens: list[str], own: set[tuple[str, ...]]) -> None:
         self.seen.add(tuple(tokens))
-        self.kept_runs |= runs(tokens)
+        self.kept_runs |= own
 
 
 def protected_texts(files: Iterable[str | Path], prompts: str | Path | None) -> list[str]:
