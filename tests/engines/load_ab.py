@@ -9,7 +9,8 @@
 (serve_bench.write_unseen's, from `--skip`), training paused. Prints each run's tok/s, rounds, the share of
 sequence-rounds with a tree, and the drafting share of the rounds' phases (propose + observe over all, as /metrics
 counts them), and of the treeless rounds' (no sequence drafted): what the server's round costs apart from HTTP and
-the event loop.
+the event loop; for the default drafter, how many plans asked for offers, gave a tree, or were stopped by
+`trees_lose`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run(engine: Engine, policy: str, texts: list[str], clients: int, max_tokens:
     )
     worker.warm_up()
     batch, queue, done = worker.batch, list(texts), []
+    checks = watch(batch.planner) if batch.planner is not None else {}
 
     def submit() -> None:
         ids = engine.encode(queue.pop(0))
@@ -78,7 +80,29 @@ def run(engine: Engine, policy: str, texts: list[str], clients: int, max_tokens:
         "drafting_share": drafting_share(phases),
         "treeless_share": sum(treeless.values()) / sum(phases.values()),
         "treeless_drafting_share": drafting_share(treeless),
+        "checks": checks,
     }
+
+
+def watch(planner) -> dict[str, int]:
+    """Counts of the planner's plans that asked for offers, those that gave a tree, and those `trees_lose` stopped
+    (this instance's methods wrapped: a bench's look inside, the planner unchanged)."""
+    counts = {"asked": 0, "gave a tree": 0, "trees lose": 0}
+    choose, lose = planner._choose, planner.trees_lose
+
+    def counted_choose(*args, **kwargs):
+        picks = choose(*args, **kwargs)
+        counts["asked"] += 1
+        counts["gave a tree"] += any(o is not None for o in picks[0])
+        return picks
+
+    def counted_lose(near):
+        lost = lose(near)
+        counts["trees lose"] += lost
+        return lost
+
+    planner._choose, planner.trees_lose = counted_choose, counted_lose
+    return counts
 
 
 def drafting_share(phases: dict[str, float]) -> float:
@@ -113,7 +137,8 @@ def main() -> int:
                 print(
                     f"repeat {r} {policy:6s} {got['tokens_per_s']:6.1f} tok/s, {got['rounds']} rounds, "
                     f"speculated {got['speculated']:.0%}, drafting {got['drafting_share']:.1%}; treeless rounds "
-                    f"{got['treeless_share']:.0%} of the time, their drafting {got['treeless_drafting_share']:.1%}",
+                    f"{got['treeless_share']:.0%} of the time, their drafting {got['treeless_drafting_share']:.1%}"
+                    + "".join(f"; plans: {n} {what}" for what, n in got["checks"].items()),
                     flush=True,
                 )
             print(f"repeat {r}: default drafter {ratio['budget'] / ratio['off']:.2f}x plain", flush=True)
