@@ -440,9 +440,9 @@ class Planner:
         in the others for 3, as losing, where they made 1.1x plain). False until MEASURED_LEAST of each kind, and
         where plain's rate beats theirs by no more than LOSE_Z standard errors of the difference (each rate's as a
         ratio of sums over its rounds): at a batch of one, whose plain rounds are the few `plain_unmeasured` keeps,
-        a noisy stretch read as a loss locked trees out until the record's tree rounds aged out (MEASURED_ROUNDS
-        rounds: a served level): in-process (bfloat16, one client) the runs where it fired speculated in 12-28 % of
-        their rounds, one where it did not in 95 %; served, 12-15 % in two runs against 83-97 % in two."""
+        one noisy reading of a loss locks trees out until the record's tree rounds age out (MEASURED_ROUNDS rounds: a
+        whole served level at one client, where 12-15 % of the rounds speculated in two runs against 83-97 % in two,
+        bfloat16; docs/serving.md)."""
         if min(len(kind) for kind in near) < self.MEASURED_LEAST:
             return False
         rates, variances = [], []
